@@ -1,0 +1,124 @@
+"""Every knob of roseray in one place: the engine's and the model's configuration.
+
+EngineConfig is what a user sets (the engine args of `LLM(...)`, the CLI flags and
+serve_config.yaml all map onto it). ModelConfig is what a checkpoint says about its
+geometry; it is read once by the loader and passed down to the model and the runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "half": torch.float16,
+    "float": torch.float32,
+}
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments. Field names follow vLLM's so that users feel at home."""
+
+    model: str = "random:tiny"
+    tokenizer: str | None = None  # defaults to `model`
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cuda | cpu
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # override; otherwise sized from memory
+    gpu_memory_utilization: float = 0.90
+    cpu_kv_cache_gib: float = 1.0  # KV budget when running on CPU
+    max_model_len: int | None = None  # defaults to the model's max positions
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # no CUDA graphs
+    attention_backend: str = "auto"  # auto | triton | torch
+    max_waiting_requests: int = 1024  # queue limit per engine (serving returns 429 past it)
+    max_logprobs: int = 20
+    cuda_graph_max_batch_size: int = 512
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}")
+        if self.device not in ("auto", "cuda", "cpu") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cuda or cpu; got {self.device!r}")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"attention_backend must be auto, triton or torch; got {self.attention_backend!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two; got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        if model is not None:
+            kwargs["model"] = model
+        return cls(**kwargs)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, model_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        if model_dtype in (torch.float16, torch.bfloat16):
+            return model_dtype
+        return torch.bfloat16
+
+
+@dataclass
+class ModelConfig:
+    """The geometry of a checkpoint, normalised across architectures."""
+
+    architecture: str  # "gpt2" | "llama" (Llama/Qwen2/Qwen3/Mistral)
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    layer_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    torch_dtype: torch.dtype | None = None
+    hf_architecture: str = ""  # the name in config.json, for messages

@@ -1,0 +1,211 @@
+"""Paged attention layer and its backends.
+
+Every model calls `Attention(q, k, v)`; the layer writes this step's K/V into the paged
+cache at `slot_mapping` and attends through the block tables. The per-step metadata is
+set once per step by the model runner (`set_attention_metadata`) and read by every
+layer, so no layer builds index tensors of its own.
+
+Cache layout, per layer: `k_cache`, `v_cache` of shape
+`[num_blocks, block_size, num_kv_heads, head_dim]`; one block id spans all layers.
+
+Backends:
+- `TorchAttentionBackend`: the reference, used on CPU and as the GPU fallback.
+- `TritonAttentionBackend` (roseray_kernels): the default on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    """What every layer needs to know about the step's flattened batch.
+
+    Tokens are flattened sequence after sequence; sequence i owns query rows
+    `query_start_loc[i] : query_start_loc[i + 1]`, which are the last `query_len` of its
+    `seq_len` tokens (the tokens before them are already in the cache).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = padding, not written
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, tokens in the cache once this step is written
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    max_query_len: int
+    max_seq_len: int
+    num_seqs: int
+    block_size: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens]
+    ) -> None: ...
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+
+
+class TorchAttentionBackend:
+    """Reference paged attention in plain torch (vectorised over sequences)."""
+
+    name = "torch"
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+        k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+        v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached tokens, in fp32."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_seqs, block_size = meta.num_seqs, meta.block_size
+    device = query.device
+
+    qsl = meta.query_start_loc[: num_seqs + 1].long()
+    seq_lens = meta.seq_lens[:num_seqs].long()
+    query_lens = qsl[1:] - qsl[:-1]  # [num_seqs]
+    max_q, max_kv = meta.max_query_len, meta.max_seq_len
+    num_ctx_blocks = (max_kv + block_size - 1) // block_size
+
+    # Gather each sequence's K/V through its block table.
+    tables = meta.block_tables[:num_seqs, :num_ctx_blocks].long().clamp_min(0)
+    keys = k_cache[tables].reshape(num_seqs, num_ctx_blocks * block_size, num_kv_heads, head_dim)[:, :max_kv]
+    values = v_cache[tables].reshape(num_seqs, num_ctx_blocks * block_size, num_kv_heads, head_dim)[:, :max_kv]
+    keys = keys.float().repeat_interleave(group, dim=2)  # [num_seqs, max_kv, num_heads, head_dim]
+    values = values.float().repeat_interleave(group, dim=2)
+
+    # Scatter the flattened queries into a padded [num_seqs, max_q] grid.
+    seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=device), query_lens)
+    row_in_seq = torch.arange(num_tokens, device=device)[: int(qsl[-1])] - qsl[seq_idx]
+    padded_q = query.new_zeros((num_seqs, max_q, num_heads, head_dim), dtype=torch.float32)
+    padded_q[seq_idx, row_in_seq] = query[: int(qsl[-1])].float()
+
+    scores = torch.einsum("bqhd,bkhd->bhqk", padded_q, keys) * scale  # [num_seqs, num_heads, max_q, max_kv]
+    q_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [num_seqs, max_q]
+    k_pos = torch.arange(max_kv, device=device)
+    allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, values)  # [num_seqs, max_q, num_heads, head_dim]
+
+    result = query.new_zeros(query.shape)
+    result[: int(qsl[-1])] = out[seq_idx, row_in_seq].to(query.dtype)
+    return result
+
+
+def causal_attention_no_cache(query, key, value, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention for a forward without a KV cache (the memory-profiling run): each
+    sequence attends causally to its own new tokens only."""
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    out = torch.empty_like(query)
+    starts = meta.query_start_loc[: meta.num_seqs + 1].tolist()
+    for start, end in zip(starts[:-1], starts[1:]):
+        q = query[start:end].transpose(0, 1)
+        k = key[start:end].transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
+        v = value[start:end].transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+# The step's metadata and backend, set by the model runner before each forward.
+_METADATA: AttentionMetadata | None = None
+_BACKEND: AttentionBackend = TorchAttentionBackend()
+
+
+def set_attention_backend(backend: AttentionBackend) -> None:
+    global _BACKEND
+    _BACKEND = backend
+
+
+def get_attention_backend() -> AttentionBackend:
+    return _BACKEND
+
+
+@contextlib.contextmanager
+def attention_metadata(meta: AttentionMetadata) -> Iterator[None]:
+    global _METADATA
+    previous, _METADATA = _METADATA, meta
+    try:
+        yield
+    finally:
+        _METADATA = previous
+
+
+def set_attention_metadata(meta: AttentionMetadata | None) -> None:
+    global _METADATA
+    _METADATA = meta
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _METADATA is None:
+        raise RuntimeError("attention called outside a model-runner step (no AttentionMetadata set)")
+    return _METADATA
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention over the paged KV cache.
+
+    Takes q [num_tokens, num_heads * head_dim], k and v [num_tokens, num_kv_heads * head_dim]
+    (already rotated), returns [num_tokens, num_heads * head_dim].
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Bound by the model runner once the cache is allocated.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        meta = get_attention_metadata()
+        if self.k_cache is None:
+            out = causal_attention_no_cache(q, k, v, meta, self.scale)
+        else:
+            _BACKEND.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = _BACKEND.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
