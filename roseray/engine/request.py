@@ -42,7 +42,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "token_ids", "output_token_ids",
         "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens", "sampling_params",
-        "status", "row", "num_blocks", "block_hashes", "generator", "detokenizer",
+        "status", "row", "num_blocks", "num_committed_blocks", "block_hashes", "generator", "detokenizer",
         "output_text", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "num_preemptions", "eos_token_ids", "stop_token_ids", "max_tokens",
@@ -72,6 +72,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.row = -1
         self.num_blocks = 0
+        self.num_committed_blocks = 0  # leading full blocks already published in the prefix cache
         self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.detokenizer = None

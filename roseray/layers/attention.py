@@ -75,6 +75,7 @@ class TorchAttentionBackend:
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        slot_mapping = slot_mapping[: key.shape[0]].long()
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]

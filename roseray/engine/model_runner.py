@@ -1,0 +1,281 @@
+"""Model runner: a scheduled batch -> device tensors -> forward -> logits.
+
+Per step, everything the layers need (input ids, positions, slot mapping, query start
+locations, sequence lengths, block tables) is computed vectorised on the host into one
+int32 staging buffer, copied to the device once, and sliced into views. Every layer's
+KV append reuses the same `slot_mapping`.
+
+Decode-only steps on CUDA replay a CUDA graph captured for the next batch-size bucket
+(padding tokens carry slot -1 and sequence length 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from roseray.config import EngineConfig, ModelConfig
+from roseray.engine.block_manager import BlockManager
+from roseray.engine.scheduler import SchedulerOutput
+from roseray.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    TorchAttentionBackend,
+    attention_metadata,
+    set_attention_backend,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def make_attention_backend(name: str, device: torch.device):
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    from roseray.layers.triton_backend import TritonAttentionBackend  # Triton is optional on CPU
+
+    return TritonAttentionBackend()
+
+
+def cuda_graph_buckets(max_batch: int) -> list[int]:
+    buckets = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
+    return sorted({b for b in buckets if b <= max_batch} | {max_batch})
+
+
+class StepInputs:
+    """Host-side arrays of one step (views into the staging buffer) plus bookkeeping."""
+
+    __slots__ = ("num_tokens", "num_seqs", "max_query_len", "max_seq_len", "num_block_cols", "logits_indices",
+                 "sample_mask", "is_decode")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model: nn.Module,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.backend = make_attention_backend(config.attention_backend, device)
+        set_attention_backend(self.backend)
+
+        # One int32 staging buffer for everything a step sends to the device.
+        capacity = 3 * self.max_num_tokens + 2 * self.max_num_seqs + 1 + self.max_num_seqs * self.max_blocks_per_seq
+        pin = device.type == "cuda"
+        self._host_buffer = torch.zeros(capacity, dtype=torch.int32, pin_memory=pin)
+        self._host = self._host_buffer.numpy()
+        self._device_buffer = self._host_buffer if device.type == "cpu" else torch.zeros_like(self._host_buffer, device=device)
+        self._arange = np.arange(self.max_num_tokens + 1, dtype=np.int32)
+
+        self.num_blocks = self._decide_num_blocks()
+        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
+
+    # ---- KV cache ----------------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        mc = self.model_config
+        per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * self.dtype.itemsize
+        return per_token * self.block_size
+
+    def _decide_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cpu":
+            budget = int(self.config.cpu_kv_cache_gib * 2**30) // self.bytes_per_block
+            enough = self.max_num_seqs * self.max_blocks_per_seq  # every slot at full length
+            return max(1, min(budget, enough))
+        return self._profile_gpu_blocks()
+
+    def _profile_gpu_blocks(self) -> int:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_forward()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.gpu_memory_utilization - peak - outside_torch
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache: peak {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB "
+                f"at gpu_memory_utilization={self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens")
+        torch.cuda.empty_cache()
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> None:
+        """A forward at the largest step size, without a KV cache, plus logits and
+        softmax for max_num_seqs rows: the activation peak the cache must leave room for."""
+        num_tokens = self.config.max_num_batched_tokens
+        seq_lens = [min(self.max_model_len, num_tokens - i) for i in range(0, num_tokens, self.max_model_len)]
+        qsl = torch.tensor([0] + np.cumsum(seq_lens).tolist(), dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int32, device=self.device),
+            query_start_loc=qsl, seq_lens=qsl[1:] - qsl[:-1],
+            block_tables=torch.zeros((len(seq_lens), 1), dtype=torch.int32, device=self.device),
+            max_query_len=max(seq_lens), max_seq_len=max(seq_lens), num_seqs=len(seq_lens), block_size=self.block_size)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in seq_lens]).int()
+        with attention_metadata(meta):
+            hidden = self.model(input_ids, positions)
+        rows = hidden[-1:].expand(self.max_num_seqs, -1)
+        torch.softmax(self.model.compute_logits(rows), dim=-1)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        mc = self.model_config
+        # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        shape = (2, len(self.attention_layers), num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+        return kv_cache
+
+    # ---- step ----------------------------------------------------------------------------
+    def prepare(self, batch: SchedulerOutput, block_manager: BlockManager, pad_to: int = 0) -> tuple[StepInputs, int]:
+        """Fill the staging buffer for `batch`; returns the layout and how much of it is used.
+        With `pad_to`, a decode batch is padded to that many sequences (CUDA graphs)."""
+        reqs, num_new = batch.requests, batch.num_new_tokens
+        num_seqs = len(reqs)
+        padded_seqs = max(num_seqs, pad_to)
+        query_lens = np.fromiter(num_new, dtype=np.int32, count=num_seqs)
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int32, count=num_seqs)
+        rows = np.fromiter((r.row for r in reqs), dtype=np.int32, count=num_seqs)
+        num_tokens = int(query_lens.sum())
+        padded_tokens = num_tokens + (padded_seqs - num_seqs)
+        seq_lens = starts + query_lens
+        num_block_cols = int((seq_lens.max() + self.block_size - 1) // self.block_size)
+
+        sizes = [padded_tokens, padded_tokens, padded_tokens, padded_seqs + 1, padded_seqs, padded_seqs * num_block_cols]
+        views, offset = [], 0
+        for size in sizes:
+            views.append(self._host[offset: offset + size])
+            offset += size
+        ids_v, pos_v, slot_v, qsl_v, lens_v, tables_v = views
+
+        # positions: each sequence's new tokens continue from its computed prefix
+        qsl_v[0] = 0
+        np.cumsum(query_lens, out=qsl_v[1: num_seqs + 1])
+        token_seq = np.repeat(np.arange(num_seqs, dtype=np.int32), query_lens)  # [num_tokens]
+        positions = self._arange[:num_tokens] - (qsl_v[:num_seqs] - starts)[token_seq]
+        pos_v[:num_tokens] = positions
+        tables = block_manager.block_tables[rows, :num_block_cols]  # [num_seqs, num_block_cols]
+        slot_v[:num_tokens] = tables[token_seq, positions // self.block_size] * self.block_size + positions % self.block_size
+        if batch.num_tokens == num_seqs:  # decode only: one token per request
+            ids_v[:num_tokens] = [r.token_ids[-1] for r in reqs]
+        else:
+            ids_v[:num_tokens] = [t for r, s, n in zip(reqs, starts.tolist(), num_new) for t in r.token_ids[s: s + n]]
+        lens_v[:num_seqs] = seq_lens
+        tables_v.reshape(padded_seqs, num_block_cols)[:num_seqs] = tables
+        if padded_seqs > num_seqs:  # CUDA-graph padding: slot -1, length 0
+            ids_v[num_tokens:] = 0
+            pos_v[num_tokens:] = 0
+            slot_v[num_tokens:] = -1
+            qsl_v[num_seqs + 1:] = num_tokens + np.arange(1, padded_seqs - num_seqs + 1, dtype=np.int32)
+            lens_v[num_seqs:] = 0
+            tables_v[num_seqs * num_block_cols:] = 0
+
+        last = qsl_v[1: num_seqs + 1] - 1
+        sample_mask = (seq_lens == np.fromiter((r.num_tokens for r in reqs), dtype=np.int32, count=num_seqs))
+        step = StepInputs()
+        step.num_tokens, step.num_seqs = padded_tokens, padded_seqs
+        step.max_query_len = int(query_lens.max())
+        step.max_seq_len = int(seq_lens.max())
+        step.num_block_cols = num_block_cols
+        step.logits_indices = last[sample_mask]
+        step.sample_mask = sample_mask
+        step.is_decode = batch.num_tokens == num_seqs
+        return step, offset
+
+    def _to_device(self, step: StepInputs, used: int) -> tuple[torch.Tensor, ...]:
+        """One host-to-device copy of the staging buffer's used prefix, then views."""
+        if self.device.type == "cuda":
+            self._device_buffer[:used].copy_(self._host_buffer[:used], non_blocking=True)
+        buf, t, s = self._device_buffer, step.num_tokens, step.num_seqs
+        ids, pos, slot = buf[:t], buf[t: 2 * t], buf[2 * t: 3 * t]
+        qsl = buf[3 * t: 3 * t + s + 1]
+        lens = buf[3 * t + s + 1: 3 * t + 2 * s + 1]
+        tables = buf[3 * t + 2 * s + 1: used].view(s, step.num_block_cols)
+        return ids, pos, slot, qsl, lens, tables
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, np.ndarray]:
+        """Forward one step. Returns logits [num_sampling, vocab] (float32) for the
+        requests whose scheduled tokens reach their end, and the boolean mask of those."""
+        graph_bucket = self._graph_bucket(batch)
+        step, used = self.prepare(batch, block_manager, pad_to=graph_bucket)
+        ids, pos, slot, qsl, lens, tables = self._to_device(step, used)
+        if graph_bucket:
+            hidden = self._replay_graph(graph_bucket, ids, pos, slot, lens, tables)
+        else:
+            meta = AttentionMetadata(slot, qsl, lens, tables, step.max_query_len, step.max_seq_len,
+                                     step.num_seqs, self.block_size)
+            with attention_metadata(meta):
+                hidden = self.model(ids, pos)
+        indices = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[indices.long()])
+        return logits, step.sample_mask
+
+    # ---- CUDA graphs ---------------------------------------------------------------------
+    def _graph_bucket(self, batch: SchedulerOutput) -> int:
+        if not self.graphs or batch.num_tokens != len(batch):
+            return 0
+        for bucket in self._buckets:
+            if bucket >= len(batch):
+                return bucket
+        return 0
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        if not self.use_cuda_graphs:
+            return
+        started = time.perf_counter()
+        max_batch = min(self.max_num_seqs, self.config.cuda_graph_max_batch_size)
+        self._buckets = cuda_graph_buckets(max_batch)
+        n, d = max_batch, self.device
+        self._g_ids = torch.zeros(n, dtype=torch.int32, device=d)
+        self._g_pos = torch.zeros(n, dtype=torch.int32, device=d)
+        self._g_slot = torch.full((n,), -1, dtype=torch.int32, device=d)
+        self._g_qsl = torch.arange(n + 1, dtype=torch.int32, device=d)
+        self._g_lens = torch.zeros(n, dtype=torch.int32, device=d)
+        self._g_tables = torch.zeros((n, self.max_blocks_per_seq), dtype=torch.int32, device=d)
+        self._g_hidden = torch.zeros((n, self.model_config.hidden_size), dtype=self.dtype, device=d)
+        pool = None
+        for bucket in reversed(self._buckets):  # largest first, so later graphs reuse its pool
+            meta = AttentionMetadata(self._g_slot[:bucket], self._g_qsl[:bucket + 1], self._g_lens[:bucket],
+                                     self._g_tables[:bucket], 1, self.max_model_len, bucket, self.block_size)
+            graph = torch.cuda.CUDAGraph()
+            with attention_metadata(meta):
+                self._g_hidden[:bucket] = self.model(self._g_ids[:bucket], self._g_pos[:bucket])  # warm-up
+                torch.cuda.synchronize(d)
+                with torch.cuda.graph(graph, pool=pool):
+                    self._g_hidden[:bucket] = self.model(self._g_ids[:bucket], self._g_pos[:bucket])
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(d)
+        logger.info("captured %d CUDA graphs for decode batch sizes up to %d in %.1f s",
+                    len(self.graphs), max_batch, time.perf_counter() - started)
+
+    def _replay_graph(self, bucket, ids, pos, slot, lens, tables) -> torch.Tensor:
+        self._g_ids[:bucket].copy_(ids)
+        self._g_pos[:bucket].copy_(pos)
+        self._g_slot[:bucket].copy_(slot)
+        self._g_lens[:bucket].copy_(lens)
+        self._g_tables[:bucket, : tables.shape[1]].copy_(tables)
+        self.graphs[bucket].replay()
+        return self._g_hidden[:bucket]
