@@ -1,0 +1,43 @@
+# roseray: two commands on a fresh machine.
+#   make serve   — install and run the Ray Serve app (serve_config.yaml) on this machine
+#   make test    — install and run the test suite
+# Both create .venv first. torch is pinned so pip never resolves a newer (CUDA) build.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+TORCH  ?= torch==2.13.0
+PIP     = $(BIN)/python -m pip
+
+.PHONY: install install-test serve standalone generate test bench-step clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+install: $(BIN)/python
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q "$(TORCH)" -e ".[serve]"
+
+install-test: $(BIN)/python
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q "$(TORCH)" -e ".[serve,test]"
+
+serve: install
+	RAY_SERVE_ENABLE_HA_PROXY=1 $(BIN)/serve run serve_config.yaml
+
+standalone: install
+	$(BIN)/roseray serve --model random:tiny
+
+generate: install
+	$(BIN)/roseray generate --model random:tiny --prompt "Hello, roseray" --max-tokens 32
+
+# pytest exits 5 when no test is collected: not a failure.
+test: install-test
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+
+bench-step: install
+	$(BIN)/python -m roseray.bench step-overhead --num-seqs 64 256
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

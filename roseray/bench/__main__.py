@@ -1,0 +1,28 @@
+"""python -m roseray.bench {throughput,stream,kernels,step-overhead} [options]"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "throughput": ("roseray.bench.throughput", "offline throughput of LLM.generate (W-nano)"),
+    "stream": ("roseray.bench.stream", "streaming decode through the async engine (W-seed)"),
+    "kernels": ("roseray.bench.kernels", "Triton KV-append and paged-attention microbenchmarks"),
+    "step-overhead": ("roseray.bench.step_overhead", "host time per decode step outside the model forward"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
+        print("usage: python -m roseray.bench <benchmark> [options]   (<benchmark> --help for its options)\n")
+        for name, (_, text) in BENCHMARKS.items():
+            print(f"  {name:<14} {text}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(BENCHMARKS[argv[0]][0])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
