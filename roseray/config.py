@@ -117,6 +117,7 @@ class ModelConfig:
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    o_proj_bias: bool = False  # the attention output projection carries a bias (Llama/Qwen3 attention_bias)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)

@@ -1,0 +1,1 @@
+"""Model implementations (gpt2, llama family), their registry, presets and loading."""

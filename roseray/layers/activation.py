@@ -1,0 +1,42 @@
+"""Activation functions by their Hugging Face names, and the gated form of SwiGLU MLPs."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,  # GPT-2's tanh approximation
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "relu": F.relu,
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}")
+    return _ACTIVATIONS[name]
+
+
+class GatedActivation(nn.Module):
+    """act(gate) * up, where the input is the concatenation [gate | up] along the last dim."""
+
+    def __init__(self, name: str = "silu") -> None:
+        super().__init__()
+        self.act = get_activation(name)
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # each [num_tokens, intermediate_size]
+        return self.act(gate) * up

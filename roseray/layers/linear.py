@@ -1,0 +1,69 @@
+"""Linear layers: a fused projection of several outputs (q|k|v, gate|up), and the strict
+copying of checkpoint tensors into a model's parameters (every parameter filled exactly
+once, any unknown or missing tensor a clear error)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, NamedTuple
+
+import torch
+from torch import nn
+
+
+class MergedLinear(nn.Linear):
+    """One matmul for several projections of the same input; the output is their
+    concatenation in `output_sizes` order. Checkpoints load each part as a shard."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+        self.offsets = [0, *itertools.accumulate(output_sizes)]
+
+    def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
+        """The rows of `param` (weight [out, in] or bias [out]) that hold output `index`."""
+        return param.data.narrow(0, self.offsets[index], self.output_sizes[index])
+
+
+class WeightEntry(NamedTuple):
+    """A checkpoint tensor and where it goes: parameter name and, for a MergedLinear, the shard."""
+
+    checkpoint_name: str
+    param_name: str
+    shard: int | None
+    tensor: torch.Tensor
+
+
+def load_weight_entries(model: nn.Module, entries: Iterable[WeightEntry]) -> None:
+    """Copy every entry into its parameter (with dtype/device conversion); raise ValueError on
+    an unknown name, a shape mismatch or a parameter the checkpoint never filled."""
+    params = dict(model.named_parameters())
+    expected = {target for name in params for target in _targets(model, name)}
+    loaded: set[tuple[str, int | None]] = set()
+    for entry in entries:
+        if entry.param_name not in params or (entry.param_name, entry.shard) not in expected:
+            raise ValueError(f"unexpected weight {entry.checkpoint_name!r} in checkpoint for {type(model).__name__}")
+        dest = params[entry.param_name].data
+        if entry.shard is not None:
+            dest = _owner(model, entry.param_name).shard(dest, entry.shard)
+        if tuple(dest.shape) != tuple(entry.tensor.shape):
+            raise ValueError(
+                f"weight {entry.checkpoint_name!r} has shape {tuple(entry.tensor.shape)}, "
+                f"expected {tuple(dest.shape)} (does config.json match the checkpoint?)"
+            )
+        dest.copy_(entry.tensor)
+        loaded.add((entry.param_name, entry.shard))
+    missing = sorted(f"{name}" + ("" if shard is None else f"[shard {shard}]") for name, shard in expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s) of {type(model).__name__}: {', '.join(missing[:8])}")
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rpartition(".")[0])
+
+
+def _targets(model: nn.Module, param_name: str) -> list[tuple[str, int | None]]:
+    owner = _owner(model, param_name)
+    if isinstance(owner, MergedLinear):
+        return [(param_name, i) for i in range(len(owner.output_sizes))]
+    return [(param_name, None)]

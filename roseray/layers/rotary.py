@@ -1,0 +1,76 @@
+"""Rotary position embedding (RoPE), neox style as in Hugging Face Llama.
+
+The cos/sin table is computed once for every position up to max_position_embeddings and
+indexed by each token's position, so a flattened batch of any sequences rotates in one go.
+Supported `rope_scaling` types: default, linear, llama3.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_type(rope_scaling: dict | None) -> str:
+    if not rope_scaling:
+        return "default"
+    return rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones kept,
+    the band between interpolated smoothly."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context_len = scaling.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, smoothed)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
+
+
+def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
+    kind = rope_type(rope_scaling)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)  # [head_dim // 2]
+    if kind == "linear":
+        inv_freq = inv_freq / rope_scaling["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, theta: float, rope_scaling: dict | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = compute_inv_freq(head_dim, theta, rope_scaling)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.to(positions.device))  # [max_position, head_dim // 2]
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, head_dim], fp32
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [num_tokens] -> their cos|sin rows [num_tokens, head_dim], gathered once per step."""
+        return self.cos_sin_cache[positions]
+
+
+def apply_rotary(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cos_sin: torch.Tensor,  # [num_tokens, head_dim], from RotaryEmbedding
+) -> torch.Tensor:
+    """Neox-style rotation of the two halves of the head dimension, in x's dtype."""
+    cos, sin = cos_sin.to(x.dtype).unsqueeze(1).chunk(2, dim=-1)  # each [num_tokens, 1, head_dim // 2]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
