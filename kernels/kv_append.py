@@ -1,0 +1,97 @@
+"""KV append: write the K/V rows of one step into the paged cache by slot mapping.
+
+One Triton launch per layer per step moves K and V of every token of the step (decode
+tokens, prefill chunks, tokens that open a new block) to `slot_mapping[token]`, a flat
+slot index `block_id * block_size + offset`. Slot -1 marks padding (CUDA-graph buckets)
+and is skipped. Nothing is built per call on the host: the grid is the token count.
+
+Cache layout, per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`, contiguous,
+so slot `s` starts at element `s * num_kv_heads * head_dim`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Tokens per program; 1 keeps a decode step of a few hundred tokens spread over the SMs.
+TOKENS_PER_PROGRAM = 1
+NUM_WARPS = 4
+
+
+@triton.jit
+def _kv_append_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim], heads contiguous in a row
+    value_ptr,
+    k_cache_ptr,  # [num_blocks * block_size, num_kv_heads * head_dim] (contiguous)
+    v_cache_ptr,
+    slot_ptr,  # [>= num_tokens] int32 or int64
+    num_tokens,
+    stride_key_token,
+    stride_value_token,
+    ROW: tl.constexpr,  # num_kv_heads * head_dim
+    ROW_PAD: tl.constexpr,  # next power of two of ROW
+    BLOCK_T: tl.constexpr,  # tokens per program
+):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    in_range = tokens < num_tokens
+    slots = tl.load(slot_ptr + tokens, mask=in_range, other=-1).to(tl.int64)
+    cols = tl.arange(0, ROW_PAD)  # [ROW_PAD]
+    mask = (slots >= 0)[:, None] & (cols < ROW)[None, :]  # [BLOCK_T, ROW_PAD]
+    tokens = tokens.to(tl.int64)
+    k = tl.load(key_ptr + tokens[:, None] * stride_key_token + cols[None, :], mask=mask)
+    v = tl.load(value_ptr + tokens[:, None] * stride_value_token + cols[None, :], mask=mask)
+    dst = slots[:, None] * ROW + cols[None, :]
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def _check(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    assert key.shape == value.shape and key.shape[1:] == (num_kv_heads, head_dim), (key.shape, k_cache.shape)
+    assert k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert key.dtype == k_cache.dtype and value.dtype == v_cache.dtype, (key.dtype, k_cache.dtype)
+    for t in (key, value):  # a token's heads must be one contiguous row (a view of qkv is fine)
+        assert t.stride(2) == 1 and t.stride(1) == head_dim, t.stride()
+
+
+def kv_append(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [>= num_tokens] int32/int64, -1 = skip
+) -> None:
+    """Write key/value[t] to cache slot slot_mapping[t] for every token t (one launch)."""
+    _check(key, value, k_cache, v_cache)
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    row = k_cache.shape[2] * k_cache.shape[3]
+    grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM),)
+    _kv_append_kernel[grid](
+        key, value, k_cache, v_cache, slot_mapping, num_tokens, key.stride(0), value.stride(0),
+        ROW=row, ROW_PAD=triton.next_power_of_2(row), BLOCK_T=TOKENS_PER_PROGRAM, num_warps=NUM_WARPS,
+    )
+
+
+def kv_append_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Torch reference: index_copy of the non-padding rows (host sync on the mask)."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    slots = slot_mapping[: key.shape[0]].long()
+    valid = slots >= 0
+    key, value, slots = key[valid], value[valid], slots[valid]
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+def kv_append_index_put_baseline(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """The torch way the kernel replaces: build the index of real tokens, index_select
+    their rows and scatter them with index_put_ (several launches and a host sync)."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    slots = slot_mapping[: key.shape[0]]
+    rows = torch.nonzero(slots >= 0).squeeze(1)  # [num_real_tokens]
+    dst = slots.index_select(0, rows).long()
+    k_cache.view(-1, num_kv_heads, head_dim).index_put_((dst,), key.index_select(0, rows))
+    v_cache.view(-1, num_kv_heads, head_dim).index_put_((dst,), value.index_select(0, rows))
