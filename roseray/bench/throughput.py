@@ -1,0 +1,63 @@
+"""Offline throughput of LLM.generate: output tokens / wall seconds (W-nano).
+
+    python -m roseray.bench throughput --workload nano --out nano.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from roseray.bench.common import print_table, write_result
+from roseray.bench.workloads import NANO_MODEL, nano_workload
+from roseray.llm import LLM
+from roseray.sampling_params import SamplingParams
+
+
+def run_nano(model: str, num_seqs: int, engine_args: dict) -> dict:
+    prompts, params = nano_workload(num_seqs)
+    llm = LLM(model, **engine_args)
+    llm.generate(["Benchmark: "], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = llm.engine.get_stats()
+    return {"workload": "W-nano", "model": model, "engine_args": engine_args, "num_seqs": num_seqs,
+            "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens, "wall_s": wall,
+            "output_tok_s": output_tokens / wall, "num_preemptions": stats.num_preemptions_total,
+            "kv_capacity_tokens": llm.engine.kv_capacity_tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m roseray.bench throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=["nano"], default="nano")
+    parser.add_argument("--model", default=NANO_MODEL)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--out", default=None, help="write JSON here")
+    args = parser.parse_args(argv)
+    engine_args = {"enforce_eager": args.enforce_eager}
+    if args.max_num_batched_tokens:
+        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    result = run_nano(args.model, args.num_seqs, engine_args)
+    print_table(f"W-nano on {args.model}", [
+        ("requests", str(result["num_seqs"])),
+        ("prompt / output tokens", f"{result['prompt_tokens']:,} / {result['output_tokens']:,}"),
+        ("wall", f"{result['wall_s']:.2f} s"),
+        ("throughput", f"{result['output_tok_s']:,.0f} output tok/s"),
+        ("preemptions", str(result["num_preemptions"]))])
+    write_result(args.out, "throughput", result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
