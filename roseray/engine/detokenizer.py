@@ -1,0 +1,94 @@
+"""Incremental detokenization and stop strings.
+
+Text is produced by decoding a small window of recent token ids twice, with and without
+the new ones, and taking the difference (the prefix/read offsets of vLLM and HF's
+TextStreamer): decoding the window from a few tokens back keeps the tokenizer's
+word-boundary handling (leading spaces, merged bytes) the same as a full decode, and the
+cost per token stays O(window), not O(length). While the decoded tail ends with U+FFFD,
+a multi-byte character is still incomplete and nothing is released.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the first output token
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text, a step at a time.
+
+    `step(new_token_ids)` returns the text those tokens finalised ("" while a character is
+    incomplete); `output_text` is everything released so far; `flush()` releases what is
+    still held back (an incomplete character at the very end decodes to U+FFFD).
+    """
+
+    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # The window: token ids from the start of the last released chunk (context) to the end.
+        self._window_ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._read_offset = len(self._window_ids)  # window ids before this are already released
+        self._context_text: str | None = None  # decode of window[:read_offset], cached
+        self.output_text = ""
+
+    def step(self, new_token_ids: list[int]) -> str:
+        self._window_ids.extend(new_token_ids)
+        context_text = self._decoded_context()
+        window_text = self._decode(self._window_ids)
+        if len(window_text) <= len(context_text) or window_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._release(window_text[len(context_text):])
+
+    def flush(self) -> str:
+        """Release whatever is held back; call once when the request finishes."""
+        window_text = self._decode(self._window_ids)
+        context_text = self._decoded_context()
+        if len(window_text) <= len(context_text):
+            return ""
+        return self._release(window_text[len(context_text):])
+
+    def _release(self, new_text: str) -> str:
+        # The chunk just released becomes the next context.
+        self._window_ids = self._window_ids[self._read_offset:]
+        self._read_offset = len(self._window_ids)
+        self._context_text = None
+        self.output_text += new_text
+        return new_text
+
+    def _decoded_context(self) -> str:
+        if self._context_text is None:
+            self._context_text = self._decode(self._window_ids[:self._read_offset])
+        return self._context_text
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def find_stop_string(output_text: str, num_new_chars: int, stops: list[str],
+                     include_in_output: bool) -> tuple[int, str] | None:
+    """The earliest stop string that ends inside the last `num_new_chars` characters.
+
+    A match may start in older text (a stop split across steps) but must end in the new
+    text: one ending earlier was found by an earlier call. Returns (cut, stop): keep
+    `output_text[:cut]`, which ends just before the stop string, or just after it when
+    `include_in_output`. On equal starts the stop listed first wins.
+    """
+    if num_new_chars <= 0:
+        return None
+    new_text_start = len(output_text) - num_new_chars
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        search_from = max(0, new_text_start - len(stop) + 1)
+        start = output_text.find(stop, search_from)
+        if start != -1 and (best is None or start < best[0]):
+            best = (start, stop)
+    if best is None:
+        return None
+    start, stop = best
+    return (start + len(stop) if include_in_output else start), stop

@@ -1,0 +1,295 @@
+"""Batched sampling on the logits' device.
+
+One call turns the last-position logits of a step (`[batch, vocab]`, row i belongs to
+requests[i]) into one token per request. Order of work, each stage only when some row
+needs it:
+
+    raw logprobs (log_softmax of the model's logits, vLLM's default)
+    -> repetition, frequency, presence penalties
+    -> min_tokens: EOS and stop token ids masked to -inf
+    -> greedy rows: argmax
+    -> temperature -> top-k -> top-p -> min-p -> exponential race (argmax(probs / Exp(1)))
+
+Every per-request parameter becomes one tensor per call, built from a Python list and
+copied host->device without blocking; the only device->host copy is the final `.tolist()`.
+A seeded request draws its row's noise from its own generator (`request.generator`), so
+its tokens do not depend on the batch it is in; unseeded rows share the sampler's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from roseray.engine.request import Request
+
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
+SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # per request: {token_id: logprob} for the top-N and the sampled token, sorted by
+    # logprob (descending); None for requests without `logprobs`. None when no request asked.
+    logprobs: list[dict[int, float] | None] | None = None
+    # per request: logprob of the sampled token (for the cumulative logprob), or None.
+    sampled_logprobs: list[float | None] | None = None
+
+
+@dataclass(slots=True)
+class BatchParams:
+    """Per-row sampling parameters of one call, gathered from the requests once."""
+
+    is_greedy: list[bool]
+    temperatures: list[float]  # 1.0 on greedy rows
+    top_ks: list[int]  # vocab size when off; 1 on greedy rows (unused there)
+    top_ps: list[float]  # inf when off, so rounding in the cumulative sum never drops a token
+    min_ps: list[float]
+    penalty_rows: list[int]
+    min_tokens_rows: list[int]  # rows still below min_tokens with EOS/stop ids to block
+    logprob_rows: list[int]
+    num_logprobs: list[int]  # top-N of each logprob row, aligned with logprob_rows
+    seeded_rows: list[int]  # sampled (non-greedy) rows with a seed
+
+    @classmethod
+    def from_requests(cls, requests: list[Request], vocab_size: int) -> "BatchParams":
+        p = cls([], [], [], [], [], [], [], [], [], [])
+        for row, req in enumerate(requests):
+            sp = req.sampling_params
+            greedy = sp.is_greedy or sp.temperature < SAMPLING_EPS
+            p.is_greedy.append(greedy)
+            p.temperatures.append(1.0 if greedy else sp.temperature)
+            p.top_ks.append(1 if greedy else (min(sp.top_k, vocab_size) if sp.top_k >= 1 else vocab_size))
+            p.top_ps.append(sp.top_p if sp.top_p < 1.0 and not greedy else float("inf"))
+            p.min_ps.append(0.0 if greedy else sp.min_p)
+            if sp.needs_penalties:
+                p.penalty_rows.append(row)
+            if len(req.output_token_ids) < sp.min_tokens and (req.eos_token_ids or req.stop_token_ids):
+                p.min_tokens_rows.append(row)
+            if sp.logprobs is not None:
+                p.logprob_rows.append(row)
+                p.num_logprobs.append(sp.logprobs)
+            if sp.seed is not None and not greedy:
+                p.seeded_rows.append(row)
+        return p
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(self.is_greedy)
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Argmax of the raw logits is the whole answer."""
+        return (self.all_greedy and not self.penalty_rows and not self.min_tokens_rows
+                and not self.logprob_rows)
+
+
+class Sampler:
+    """`Sampler()(logits [B, V], requests) -> SamplerOutput`; `seed` fixes the shared generator."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(f"logits must be [len(requests)={len(requests)}, vocab], got {tuple(logits.shape)}")
+        params = BatchParams.from_requests(requests, logits.shape[1])
+        if params.is_plain_greedy:
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist())
+        raw_logprobs = _raw_logprobs(logits, params.logprob_rows)  # [num_logprob_rows, V] or None
+        logits = logits.to(torch.float32, copy=True)  # [B, V], modified in place from here
+        if params.penalty_rows:
+            apply_penalties(logits, [requests[i] for i in params.penalty_rows], params.penalty_rows)
+        if params.min_tokens_rows:
+            mask_min_tokens(logits, [requests[i] for i in params.min_tokens_rows], params.min_tokens_rows)
+        token_ids = self._sample(logits, requests, params)  # [B] int64
+        return _to_host(token_ids, raw_logprobs, params)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], params: BatchParams) -> torch.Tensor:
+        if params.all_greedy:
+            return logits.argmax(dim=-1)
+        device = logits.device
+        greedy_token_ids = logits.argmax(dim=-1) if any(params.is_greedy) else None
+        logits.div_(_to_device(params.temperatures, torch.float32, device).unsqueeze(1))
+        top_ks = _to_device(params.top_ks, torch.int64, device) if _uses_top_k(params, logits.shape[1]) else None
+        top_ps = _to_device(params.top_ps, torch.float32, device) if _uses_top_p(params) else None
+        if top_ps is not None:
+            logits = apply_top_k_top_p(logits, top_ks, top_ps)
+        elif top_ks is not None:
+            apply_top_k(logits, top_ks, max(params.top_ks))
+        probs = logits.softmax(dim=-1)  # [B, V]
+        if any(min_p > 0.0 for min_p in params.min_ps):
+            apply_min_p(probs, _to_device(params.min_ps, torch.float32, device))
+        noise = self._exponential_noise(probs, requests, params)
+        sampled_token_ids = probs.div_(noise).argmax(dim=-1)
+        if greedy_token_ids is None:
+            return sampled_token_ids
+        is_greedy = _to_device(params.is_greedy, torch.bool, device)
+        return torch.where(is_greedy, greedy_token_ids, sampled_token_ids)
+
+    def _exponential_noise(self, probs: torch.Tensor, requests: list[Request], params: BatchParams) -> torch.Tensor:
+        """Exp(1) noise per row: seeded rows from their request's generator, the rest shared."""
+        noise = torch.empty_like(probs)  # [B, V]
+        num_sampled_rows = len(params.is_greedy) - sum(params.is_greedy)
+        if num_sampled_rows > len(params.seeded_rows):
+            noise.exponential_(generator=self._shared_generator(probs.device))
+        else:
+            noise.fill_(1.0)
+        for row in params.seeded_rows:
+            noise[row].exponential_(generator=request_generator(requests[row], probs.device))
+        # A zero draw would turn an excluded token's 0 probability into 0/0 = NaN, which argmax picks.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self.seed % SEED_MODULUS)
+            self._generators[device] = generator
+        return generator
+
+
+def request_generator(request: Request, device: torch.device) -> torch.Generator:
+    """The request's own generator, made on first use from sampling_params.seed."""
+    if request.generator is None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(request.sampling_params.seed % SEED_MODULUS)
+        request.generator = generator
+    return request.generator
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+    """Repetition (prompt + output, HF semantics), then frequency and presence (output, OpenAI)."""
+    device, vocab_size = logits.device, logits.shape[1]
+    row_index = _to_device(rows, torch.int64, device)
+    penalised = logits.index_select(0, row_index)  # [P, V]
+    output_counts = token_counts([r.output_token_ids for r in requests], vocab_size, device)  # [P, V]
+    repetition = [r.sampling_params.repetition_penalty for r in requests]
+    if any(value != 1.0 for value in repetition):
+        prompt_counts = token_counts(
+            [r.prompt_token_ids if rp != 1.0 else [] for r, rp in zip(requests, repetition)], vocab_size, device)
+        seen = (prompt_counts + output_counts) > 0
+        repetition_t = _to_device(repetition, torch.float32, device).unsqueeze(1)
+        scaled = torch.where(penalised > 0, penalised / repetition_t, penalised * repetition_t)
+        penalised = torch.where(seen, scaled, penalised)
+    frequency = _to_device([r.sampling_params.frequency_penalty for r in requests], torch.float32, device)
+    presence = _to_device([r.sampling_params.presence_penalty for r in requests], torch.float32, device)
+    penalised -= frequency.unsqueeze(1) * output_counts + presence.unsqueeze(1) * (output_counts > 0)
+    logits.index_copy_(0, row_index, penalised)
+
+
+def token_counts(token_id_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """How often each token id occurs in each list: [len(token_id_lists), vocab_size] float32."""
+    num_rows = len(token_id_lists)
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
+    lengths = [len(ids) for ids in token_id_lists]
+    num_tokens = sum(lengths)
+    if num_tokens:
+        token_ids = _to_device(list(itertools.chain.from_iterable(token_id_lists)), torch.int64, device)
+        row_ids = torch.repeat_interleave(torch.arange(num_rows, device=device),
+                                          _to_device(lengths, torch.int64, device), output_size=num_tokens)
+        in_vocab = (token_ids >= 0) & (token_ids < vocab_size)  # ids beyond the logits count nowhere
+        flat_index = row_ids * vocab_size + token_ids.clamp(0, vocab_size - 1)
+        counts.scatter_add_(0, flat_index, in_vocab.to(torch.float32))
+    return counts.view(num_rows, vocab_size)
+
+
+def mask_min_tokens(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+    """Rows still below min_tokens may not end: their EOS and stop token ids get -inf."""
+    vocab_size = logits.shape[1]
+    masked_rows: list[int] = []
+    masked_token_ids: list[int] = []
+    for row, req in zip(rows, requests):
+        blocked = [t for t in req.eos_token_ids | req.stop_token_ids if t < vocab_size]
+        masked_rows.extend([row] * len(blocked))
+        masked_token_ids.extend(blocked)
+    if masked_token_ids:
+        index = (_to_device(masked_rows, torch.int64, logits.device),
+                 _to_device(masked_token_ids, torch.int64, logits.device))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor, max_top_k: int) -> None:
+    """Keep the top_ks[i] largest logits of row i (ties with the k-th kept too)."""
+    top_values = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending
+    kth_value = top_values.gather(1, (top_ks - 1).unsqueeze(1))  # [B, 1]
+    logits.masked_fill_(logits < kth_value, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor) -> torch.Tensor:
+    """Top-k (when given), then nucleus on what is left: keep the smallest prefix of the
+    sorted tokens whose probability reaches top_p, always at least the top token."""
+    sorted_logits, sorted_token_ids = logits.sort(dim=-1, descending=True)  # [B, V]
+    if top_ks is not None:
+        kth_value = sorted_logits.gather(1, (top_ks - 1).unsqueeze(1))  # [B, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth_value, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the tokens ranked above
+    outside_nucleus = mass_before >= top_ps.unsqueeze(1)  # the top token has 0 before it: always kept
+    sorted_logits.masked_fill_(outside_nucleus, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_token_ids, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> None:
+    """Drop tokens less likely than min_p times the row's most likely token."""
+    threshold = min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _uses_top_k(params: BatchParams, vocab_size: int) -> bool:
+    return any(k < vocab_size for k, greedy in zip(params.top_ks, params.is_greedy) if not greedy)
+
+
+def _uses_top_p(params: BatchParams) -> bool:
+    return any(p < 1.0 for p in params.top_ps)
+
+
+def _raw_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    if not rows:
+        return None
+    row_index = _to_device(rows, torch.int64, logits.device)
+    return logits.index_select(0, row_index).to(torch.float32).log_softmax(dim=-1)  # [R, V]
+
+
+def _to_host(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, params: BatchParams) -> SamplerOutput:
+    """One device->host copy: token ids, and for logprob rows the sampled and top-N logprobs,
+    packed into one float64 tensor (exact for token ids and float32 logprobs)."""
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids=token_ids.tolist())
+    batch_size, num_rows = token_ids.shape[0], len(params.logprob_rows)
+    max_top_n = min(max(params.num_logprobs), raw_logprobs.shape[1])
+    row_index = _to_device(params.logprob_rows, torch.int64, token_ids.device)
+    sampled = raw_logprobs.gather(1, token_ids.index_select(0, row_index).unsqueeze(1)).squeeze(1)  # [R]
+    top_values, top_token_ids = raw_logprobs.topk(max_top_n, dim=-1)  # [R, max_top_n], descending
+    packed = torch.cat([token_ids.double(), sampled.double(),
+                        top_values.double().flatten(), top_token_ids.double().flatten()]).tolist()
+    token_id_list = [int(t) for t in packed[:batch_size]]
+    sampled_list = packed[batch_size:batch_size + num_rows]
+    values_start = batch_size + num_rows
+    ids_start = values_start + num_rows * max_top_n
+    logprobs: list[dict[int, float] | None] = [None] * batch_size
+    sampled_logprobs: list[float | None] = [None] * batch_size
+    for j, (row, top_n) in enumerate(zip(params.logprob_rows, params.num_logprobs)):
+        offset = j * max_top_n
+        top_n = min(top_n, max_top_n)
+        top_ids = packed[ids_start + offset:ids_start + offset + top_n]
+        top_vals = packed[values_start + offset:values_start + offset + top_n]
+        entry = {int(t): v for t, v in zip(top_ids, top_vals)}
+        entry.setdefault(token_id_list[row], sampled_list[j])  # ranks below the top-N: last
+        logprobs[row] = entry
+        sampled_logprobs[row] = sampled_list[j]
+    return SamplerOutput(token_ids=token_id_list, logprobs=logprobs, sampled_logprobs=sampled_logprobs)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, without blocking the host on the GPU stream."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
