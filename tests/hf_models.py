@@ -105,7 +105,11 @@ def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.train_from_iterator(_CORPUS, trainer=trainer)
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+        tokenizer_object=tokenizer,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
     )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped

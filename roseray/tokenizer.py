@@ -1,0 +1,134 @@
+"""Tokenizers behind one small interface: a thin wrapper over a Hugging Face tokenizer for
+real models, and a byte-level tokenizer for `random:` presets.
+
+Byte tokenizer ids: 0..255 are UTF-8 bytes; the top three ids are special tokens
+(`<|endoftext|>` = vocab_size - 1 is EOS, `<|im_start|>`, `<|im_end|>` for the chat
+template); every other id >= 256 decodes to one printable ASCII character, so the output of
+a random model is readable. Invalid or incomplete UTF-8 decodes with U+FFFD
+(errors="replace"), which an incremental detokenizer reads as "character not finished".
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from roseray.config import ModelConfig
+from roseray.models.loader import resolve_model_path
+from roseray.models.presets import is_preset
+
+_PRINTABLE_FIRST, _NUM_PRINTABLE = 32, 95  # ' ' .. '~'
+
+
+def default_chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """ChatML-style text, for tokenizers that ship no chat template of their own."""
+    turns = [f"<|im_start|>{m['role']}\n{_content_text(m.get('content'))}<|im_end|>\n" for m in messages]
+    return "".join(turns) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _content_text(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of an OpenAI content list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+class Tokenizer:
+    """What the engine and the server use of a tokenizer."""
+
+    name: str
+    eos_token_id: int | None
+    vocab_size: int
+    all_special_ids: list[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        raise NotImplementedError
+
+
+class ByteTokenizer(Tokenizer):
+    SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids vocab-1, vocab-2, vocab-3
+
+    def __init__(self, vocab_size: int, name: str = "byte") -> None:
+        if vocab_size < 256 + len(self.SPECIAL_TOKENS):
+            raise ValueError(f"the byte tokenizer needs vocab_size >= {256 + len(self.SPECIAL_TOKENS)}; got {vocab_size}")
+        self.name, self.vocab_size = name, vocab_size
+        self.special_ids = {token: vocab_size - 1 - i for i, token in enumerate(self.SPECIAL_TOKENS)}
+        self.special_text = {token_id: token.encode() for token, token_id in self.special_ids.items()}
+        self.eos_token_id = self.special_ids["<|endoftext|>"]
+        self.all_special_ids = sorted(self.special_ids.values())
+        self._special_pattern = re.compile("(" + "|".join(map(re.escape, self.SPECIAL_TOKENS)) + ")")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """UTF-8 bytes, with special-token strings mapped to their ids. Adds no BOS (like Qwen
+        or GPT-2), so `add_special_tokens` changes nothing here."""
+        ids: list[int] = []
+        for piece in self._special_pattern.split(text):
+            if piece in self.special_ids:
+                ids.append(self.special_ids[piece])
+            elif piece:
+                ids.extend(piece.encode("utf-8"))
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        for token_id in token_ids:
+            if 0 <= token_id < 256:
+                out.append(token_id)
+            elif token_id in self.special_text:
+                out += b"" if skip_special_tokens else self.special_text[token_id]
+            elif 256 <= token_id < self.vocab_size:
+                out.append(_PRINTABLE_FIRST + (token_id - 256) % _NUM_PRINTABLE)
+            else:
+                raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+        return out.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return default_chat_template(messages, add_generation_prompt)
+
+
+class HFTokenizer(Tokenizer):
+    """A thin wrapper over a transformers tokenizer (`.hf` is the wrapped one)."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase, name: str, fallback_eos_token_id: int | None = None) -> None:
+        self.hf, self.name = hf, name
+        self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else fallback_eos_token_id
+        self.vocab_size = len(hf)
+        self.all_special_ids = list(hf.all_special_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.hf.chat_template:
+            return default_chat_template(messages, add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def load_tokenizer(
+    name: str, model_config: ModelConfig, revision: str | None = None, trust_remote_code: bool = False
+) -> Tokenizer:
+    """The byte tokenizer for `random:` presets; else the HF tokenizer of a local directory or
+    of a hub id in the local cache (never downloaded)."""
+    if is_preset(name):
+        return ByteTokenizer(model_config.vocab_size, name)
+    path: Path = resolve_model_path(name, revision)
+    try:
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a tokenizer from {path}: {exc}") from exc
+    fallback_eos = model_config.eos_token_ids[0] if model_config.eos_token_ids else None
+    return HFTokenizer(hf, name, fallback_eos)
