@@ -46,7 +46,7 @@ class Request:
         "output_text", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "num_preemptions", "eos_token_ids", "stop_token_ids", "max_tokens",
-        "user_data",
+        "user_data", "scheduled_step",
     )
 
     def __init__(
@@ -91,6 +91,7 @@ class Request:
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self.max_tokens = max_tokens
         self.user_data: Any = None
+        self.scheduled_step = -1  # the scheduler step that last scheduled this request
 
     @property
     def num_tokens(self) -> int:

@@ -40,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.num_preemptions_total = 0
+        self._step = 0  # stamps `Request.scheduled_step`
 
     @property
     def num_unfinished(self) -> int:
@@ -49,27 +50,41 @@ class Scheduler:
         self.waiting.append(req)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        self._step += 1
+        step, out = self._step, SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: set[int] = set()  # id() of requests scheduled this step
+        block_size = self.block_manager.block_size
+        prefilling: list[Request] = []
 
-        # 1 + 2. running requests: decodes first, then prefill chunks.
-        for decode_pass in (True, False):
-            for req in list(self.running):
-                if budget == 0:
-                    break
-                if req.status != RequestStatus.RUNNING or id(req) in scheduled:
-                    continue
-                remaining = req.num_tokens - req.num_computed_tokens
-                if (remaining == 1) != decode_pass:
-                    continue
-                num_new = min(remaining, budget)
-                if not self._reserve(req, num_new, scheduled, out):
-                    continue
-                out.requests.append(req)
-                out.num_new_tokens.append(num_new)
-                scheduled.add(id(req))
-                budget -= num_new
+        # 1. decodes of running requests, oldest first (the common case: no allocation)
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if req.num_tokens - req.num_computed_tokens > 1:
+                prefilling.append(req)
+                continue
+            if budget == 0:
+                break
+            if req.num_computed_tokens >= req.num_blocks * block_size and not self._reserve(req, 1, out):
+                continue
+            req.scheduled_step = step
+            out.requests.append(req)
+            out.num_new_tokens.append(1)
+            budget -= 1
+
+        # 2. the next chunk of running requests still in prefill
+        for req in prefilling:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, num_new, out):
+                continue
+            req.scheduled_step = step
+            out.requests.append(req)
+            out.num_new_tokens.append(num_new)
+            budget -= num_new
 
         # 3. waiting requests, FCFS; none are admitted in a step that had to preempt.
         while self.waiting and budget > 0 and not out.num_preempted and len(self.running) < self.max_num_seqs:
@@ -79,19 +94,19 @@ class Scheduler:
             self.waiting.popleft()
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             req.status = RequestStatus.RUNNING
+            req.scheduled_step = step
             self.running.append(req)
             out.requests.append(req)
             out.num_new_tokens.append(num_new)
-            scheduled.add(id(req))
             budget -= num_new
         return out
 
-    def _reserve(self, req: Request, num_new: int, scheduled: set[int], out: SchedulerOutput) -> bool:
+    def _reserve(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Find blocks for `num_new` tokens of `req`, preempting the newest running
         requests not yet scheduled this step if needed. False if `req` cannot run now
         (it may have been preempted itself)."""
         while not self.block_manager.append_slots(req, num_new):
-            victim = next((r for r in reversed(self.running) if id(r) not in scheduled), None)
+            victim = next((r for r in reversed(self.running) if r.scheduled_step != self._step), None)
             if victim is None:
                 return False
             self._preempt(victim)
