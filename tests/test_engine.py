@@ -1,0 +1,144 @@
+"""Engine behaviour on random:tiny: admission, chunking, abort, stops, seeds, outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from roseray import LLM, SamplingParams
+from roseray.config import EngineConfig
+from roseray.engine.engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("random:tiny", device="cpu", block_size=4, max_model_len=256, num_kv_blocks=64)
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_generate_returns_outputs_in_prompt_order(llm):
+    outs = llm.generate(["abc", [5, 6, 7, 8], "a longer prompt of text"], greedy(5), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs][1] == [5, 6, 7, 8]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5, 5]
+    assert all(o.outputs[0].finish_reason == "length" and o.finished for o in outs)
+    assert outs[0].prompt == "abc" and outs[0].prompt_token_ids == llm.tokenizer.encode("abc")
+    assert outs[0].outputs[0].text == llm.tokenizer.decode(outs[0].outputs[0].token_ids)
+
+
+def test_one_sampling_params_per_prompt(llm):
+    outs = llm.generate([[1, 2], [3, 4]], [greedy(2), greedy(7)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 7]
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate([[1]], [greedy(1), greedy(1)], use_tqdm=False)
+
+
+def test_request_that_can_never_fit_is_refused_with_both_numbers(llm):
+    with pytest.raises(ValueError, match=r"prompt \(3 tokens\) \+ max_tokens \(300\) = 303 tokens exceeds max_model_len \(256\)"):
+        llm.generate([[1, 2, 3]], greedy(300), use_tqdm=False)
+    small = LLM("random:tiny", device="cpu", block_size=4, num_kv_blocks=8)  # 32 tokens of KV
+    with pytest.raises(ValueError, match="can never fit in the KV cache"):
+        small.generate([[1] * 20], greedy(20), use_tqdm=False)
+    assert not small.engine.has_unfinished_requests()
+    small.engine.check_integrity()
+
+
+def test_bad_prompts_are_refused(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], greedy(1), use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 10**6]], greedy(1), use_tqdm=False)
+    llm.engine.check_integrity()
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chunked_prefill_mixes_with_running_decodes():
+    engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", block_size=4, max_num_batched_tokens=8,
+                                    num_kv_blocks=64))
+    engine.add_request("short", [1, 2, 3], greedy(20))
+    engine.step()  # prefill of "short"; it decodes from now on
+    engine.add_request("long", list(range(1, 31)), greedy(4))
+    batch = engine.scheduler.schedule()
+    assert batch.requests[0].request_id == "short" and batch.num_new_tokens[0] == 1  # decode first
+    assert batch.requests[1].request_id == "long" and batch.num_new_tokens[1] == 7  # then a chunk within budget
+    assert batch.num_tokens == 8
+
+
+def test_abort_frees_blocks_and_reports_once():
+    engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", block_size=4, num_kv_blocks=32))
+    engine.add_request("a", list(range(1, 20)), greedy(50))
+    engine.add_request("b", [1, 2], greedy(50))
+    engine.step()
+    assert engine.block_manager.num_free_blocks < 32
+    engine.abort_request("a")
+    engine.abort_request("a")  # idempotent
+    deltas = engine.step()
+    aborted = [d for d in deltas if d.request_id == "a"]
+    assert len(aborted) == 1 and aborted[0].finished and aborted[0].finish_reason == "abort"
+    engine.abort_request("b")
+    engine.step()
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == 32 and not engine.has_unfinished_requests()
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    base = llm.generate([[9, 8, 7]], greedy(10), use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = base[3]
+    out = llm.generate([[9, 8, 7]], greedy(10, stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    first = base.index(stop_at)
+    assert out.token_ids == base[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    late = llm.generate([[9, 8, 7]], greedy(10, stop_token_ids=[stop_at], min_tokens=first + 2),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) >= first + 2  # the stop token is masked until min_tokens are out
+    assert late.token_ids[first] != stop_at and late.token_ids[:first] == base[:first]
+
+
+def test_stop_string_cuts_text_exactly(llm):
+    full = llm.generate(["hello"], greedy(24), use_tqdm=False)[0].outputs[0]
+    text = full.text
+    stop = next((text[i:i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 2]), None)
+    if stop is None:
+        pytest.skip("random output has no clean two-character stop string")
+    out = llm.generate(["hello"], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == text[: text.index(stop)] and out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate(["hello"], greedy(24, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.outputs[0].text == text[: text.index(stop) + len(stop)]
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batch = llm.generate([[4, 5], [1, 2, 3], [6]], [others, params, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_logprobs_are_returned_per_token(llm):
+    out = llm.generate([[1, 2, 3]], greedy(4, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) >= 3
+        assert max(entry.values()) == pytest.approx(entry[token])  # greedy picks the most likely
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_failing_forward_ends_requests_with_error_and_engine_recovers():
+    engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", block_size=4, num_kv_blocks=32))
+    real_forward = engine.runner.model.forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    engine.runner.model.forward = broken
+    engine.add_request("x", [1, 2, 3], greedy(5))
+    deltas = engine.step()
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("x", "error")]
+    assert isinstance(engine.last_error, RuntimeError)
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == 32
+    engine.runner.model.forward = real_forward
+    engine.add_request("y", [1, 2, 3], greedy(5))
+    while engine.has_unfinished_requests():
+        deltas = engine.step()
+    assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 5
