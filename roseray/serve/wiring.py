@@ -1,0 +1,81 @@
+"""Every use of Ray Serve's private or unstable hooks, in one place.
+
+roseray's data path is Ray Serve's HAProxy direct-streaming mode: HAProxy sends each
+POST to an "ingress request router" deployment (/internal/route), which picks the
+engine replica, and then forwards the request to that replica's own HTTP port. The hooks
+this needs are private in Ray 2.60, so Ray is pinned exactly (pyproject) and
+tests/test_serve_wiring.py fails loudly when an upgrade moves any of them:
+
+  * `Application._with_ingress_request_router(router_app)` attaches the router;
+  * `DeploymentHandle.choose_replica(..., _reserve=False)` runs the deployment's
+    RequestRouter without dispatching or reserving a slot;
+  * `ReplicaSelection._replica` -> RunningReplica.backend_http_endpoint and
+    `replica_id.to_full_id_str()` name the replica in the /internal/route answer;
+  * the answer's `request_headers` field (applied by HAProxy after it strips every
+    client-sent `x-serve-router-*` header) carries roseray's ticket;
+  * `RAY_SERVE_ENABLE_HA_PROXY`, read by Serve at import time in every process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.serve import Application
+from ray.serve._private import constants as serve_constants
+from ray.serve.handle import DeploymentHandle
+
+PINNED_RAY_VERSION = "2.60.0"
+ROUTE_PATH = "/internal/route"
+HEADERS_FIELD = serve_constants.RAY_SERVE_INGRESS_REQUEST_ROUTER_OPT_HEADERS_FIELD  # "request_headers"
+ROUTER_HEADER_PREFIX = serve_constants.SERVE_INGRESS_ROUTER_HEADER_PREFIX  # "x-serve-router-"
+SESSION_HEADER = serve_constants.SERVE_SESSION_ID  # forwarded by HAProxy to /internal/route
+
+HAPROXY_REQUIRED = (
+    "roseray's Ray Serve app runs in Ray Serve's HAProxy mode: RAY_SERVE_ENABLE_HA_PROXY=1 must be in the "
+    "environment of every Ray node when it starts (and of `serve run`). Run "
+    "`eval \"$(python -m roseray.serve.haproxy_env)\"` before `ray start` / `serve run`.")
+
+
+def check_ray_version() -> None:
+    if ray.__version__ != PINNED_RAY_VERSION:
+        raise RuntimeError(f"roseray's Serve wiring is tested with ray=={PINNED_RAY_VERSION} only (found "
+                           f"{ray.__version__}); it uses private Serve hooks, see roseray/serve/wiring.py")
+
+
+def haproxy_enabled() -> bool:
+    """Whether Serve in this process runs in HAProxy mode (fixed when Serve is imported)."""
+    return bool(serve_constants.RAY_SERVE_ENABLE_HA_PROXY)
+
+
+def attach_ingress_router(engine_app: Application, router_app: Application) -> Application:
+    """Make `router_app` (serving ROUTE_PATH) decide the replica of every POST to `engine_app`."""
+    return engine_app._with_ingress_request_router(router_app)
+
+
+@dataclass(frozen=True)
+class ReplicaPick:
+    host: str
+    port: int
+    replica_id: str  # the full replica id HAProxy maps to its backend server
+
+
+async def pick_replica(handle: DeploymentHandle, *route_args) -> ReplicaPick:
+    """Run the deployment's RequestRouter (route_args reach it as PendingRequest.args)
+    and return the chosen replica's HTTP endpoint, without reserving a slot: HAProxy, not
+    Serve, carries the request."""
+    async with handle.choose_replica(*route_args, _reserve=False) as selection:
+        replica = selection._replica
+        endpoint = replica.backend_http_endpoint
+        if endpoint is None:
+            raise RuntimeError(f"replica {selection.replica_id} has no HTTP port yet")
+        return ReplicaPick(host=endpoint[0], port=endpoint[1], replica_id=replica.replica_id.to_full_id_str())
+
+
+def route_answer(pick: ReplicaPick, request_headers: dict[str, str]) -> dict:
+    """The JSON body HAProxy's Lua expects from ROUTE_PATH. Header names must carry
+    ROUTER_HEADER_PREFIX (so clients cannot set them) and values must not contain '"'."""
+    for name, value in request_headers.items():
+        if not name.startswith(ROUTER_HEADER_PREFIX) or '"' in value:
+            raise ValueError(f"router header {name!r} cannot be passed through HAProxy")
+    return {"host": pick.host, "port": pick.port, "replica_id": pick.replica_id, HEADERS_FIELD: request_headers}

@@ -1,0 +1,292 @@
+"""The OpenAI HTTP API of one engine replica (FastAPI), the same app in Ray and standalone.
+
+POST /v1/completions, /v1/chat/completions (SSE streaming or whole), GET /v1/models,
+/health (liveness), /ready, /metrics. Each streamed request costs one SSE write per
+engine step. A client that goes away closes its RequestStream, which aborts the request
+in the engine. Prompt text is never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from roseray.engine.async_engine import (AsyncLLMEngine, EngineUnavailableError, QueueFullError, RequestStream)
+from roseray.sampling_params import SamplingParams
+from roseray.server.auth import ApiKeyMiddleware
+from roseray.server.errors import APIError, error_body, install_error_handlers, param_of
+from roseray.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from roseray.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from roseray.server.responses import SSE_DONE, ResponseBuilder, TokenText, sse_event
+
+logger = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-roseray-replica"
+_PARAM_NAMES = frozenset(f for f in SamplingParams.__dataclass_fields__) | {"prompt", "messages"}
+
+# Checks a request's headers before it may generate; returns why it is refused, or None.
+RequestGuard = Callable[[Request], "str | None"]
+
+
+class ReplicaHeaderMiddleware:
+    """Adds `x-roseray-replica: <name>` to every response (errors included)."""
+
+    def __init__(self, app, replica_name: str) -> None:
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica_name.encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+class EngineStreamResponse(StreamingResponse):
+    """A StreamingResponse that always closes its RequestStream, even when the client
+    disconnects before the body iterator started (then no generator `finally` runs)."""
+
+    def __init__(self, content, stream: RequestStream, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.close()
+
+
+class OpenAIServer:
+    """The route handlers; holds the engine, tokenizer and metrics of this replica."""
+
+    def __init__(self, engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_len: int | None,
+                 request_guard: RequestGuard | None = None, log_requests: bool = False,
+                 log_prompts: bool = False) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.request_guard = request_guard
+        self.log_requests = log_requests
+        self.log_prompts = log_prompts  # off by default: prompts are user data
+        self.metrics = ServerMetrics(model_name, lambda: engine.stats)
+        self.token_text = TokenText(tokenizer.decode)
+        self.created = int(time.time())
+
+    # ---- probes and listings --------------------------------------------------------------------
+    async def health(self) -> Response:
+        try:
+            self.engine.check_health()
+        except RuntimeError as error:
+            return JSONResponse(error_body(503, str(error), code="engine_unhealthy"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self) -> Response:
+        if not self.engine.is_ready:
+            state = self.engine.state.value
+            return JSONResponse(error_body(503, f"not ready ({state})", code=state), status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "roseray",
+                "root": self.model_name, "max_model_len": self.max_model_len}
+
+    async def model(self, model_id: str) -> dict:
+        self._check_model(model_id)
+        return self._model_card()
+
+    # ---- generation -------------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                           param="model", code="model_not_found")
+
+    def _prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """Validate the body and tokenize its prompt; every failure is a 400."""
+        try:
+            params = body.to_sampling_params()
+            if isinstance(body, ChatCompletionRequest):
+                text = self.tokenizer.apply_chat_template(body.template_messages(),
+                                                          add_generation_prompt=body.add_generation_prompt)
+                return self.tokenizer.encode(text), params
+            prompt = body.single_prompt()
+            return (self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)), params
+        except UnsupportedFieldError as error:
+            raise APIError(400, str(error), param=error.param) from None
+        except ValueError as error:
+            raise APIError(400, str(error), param=self._param(body, str(error))) from None
+
+    @staticmethod
+    def _param(body, message: str) -> str | None:
+        param = param_of(message, _PARAM_NAMES)
+        if isinstance(body, ChatCompletionRequest) and param == "logprobs":
+            return "top_logprobs"
+        return param
+
+    async def generate(self, http_request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
+        try:
+            return await self._generate(http_request, body)
+        except APIError:
+            raise
+        except Exception as error:  # answered here so the response still names its replica
+            logger.exception("request failed")
+            raise APIError(500, f"internal server error ({type(error).__name__})", code="internal_error") from None
+
+    async def _generate(self, http_request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
+        if self.request_guard is not None:
+            refusal = self.request_guard(http_request)
+            if refusal is not None:
+                raise APIError(403, refusal, code="not_routed")
+        self._check_model(body.model)
+        prompt_ids, params = self._prepare(body)
+        is_chat = isinstance(body, ChatCompletionRequest)
+        request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        arrival = time.monotonic()
+        if self.log_prompts:
+            logger.info("request %s prompt (%d tokens): %r", request_id, len(prompt_ids),
+                        self.tokenizer.decode(prompt_ids))
+        try:
+            stream = await self.engine.add_request(request_id, prompt_ids, params, arrival_time=arrival)
+        except QueueFullError as error:
+            raise APIError(429, str(error), code="queue_full",
+                           headers={"Retry-After": str(error.retry_after_s)}) from None
+        except EngineUnavailableError as error:
+            raise APIError(503, str(error), code="unavailable") from None
+        except ValueError as error:
+            raise APIError(400, str(error), param=self._param(body, str(error))) from None
+        builder = ResponseBuilder("chat" if is_chat else "completion", request_id, self.model_name, self.token_text,
+                                  num_top_logprobs=params.logprobs, include_usage=body.include_usage,
+                                  continuous_usage=body.continuous_usage)
+        timer = self.metrics.request_timer(arrival)
+        try:
+            if body.stream:
+                return EngineStreamResponse(self._sse(stream, builder, timer), stream,
+                                            media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await self._whole(http_request, stream, builder, timer)
+        except BaseException:
+            stream.close()
+            raise
+
+    async def _sse(self, stream: RequestStream, builder: ResponseBuilder, timer: RequestTimer):
+        last = None
+        try:
+            async for deltas in stream:
+                timer.on_tokens(sum(len(d.new_token_ids) for d in deltas), time.monotonic())
+                last = deltas[-1]
+                if last.finished and last.finish_reason == "error":
+                    yield builder.stream_chunks(deltas[:-1]) + sse_event(
+                        error_body(500, "the engine failed while generating this request")) + SSE_DONE
+                    self._finished(timer, last)
+                    return
+                yield builder.stream_chunks(deltas)
+            if last is not None and last.finished:
+                self._finished(timer, last)
+            yield builder.stream_end(last)
+        except EngineUnavailableError as error:
+            yield sse_event(error_body(503, str(error), code="unavailable")) + SSE_DONE
+        finally:
+            stream.close()
+
+    async def _whole(self, http_request: Request, stream: RequestStream, builder: ResponseBuilder,
+                     timer: RequestTimer) -> Response:
+        watcher = asyncio.ensure_future(_close_on_disconnect(http_request, stream))
+        try:
+            texts, token_ids, logprobs, last = [], [], [], None
+            async for deltas in stream:
+                timer.on_tokens(sum(len(d.new_token_ids) for d in deltas), time.monotonic())
+                for delta in deltas:
+                    texts.append(delta.new_text)
+                    token_ids.extend(delta.new_token_ids)
+                    if delta.new_logprobs is not None:
+                        logprobs.extend(delta.new_logprobs)
+                last = deltas[-1]
+        except EngineUnavailableError as error:
+            raise APIError(503, str(error), code="unavailable") from None
+        finally:
+            watcher.cancel()
+        if last is None or not last.finished:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        self._finished(timer, last)
+        if last.finish_reason == "error":
+            raise APIError(500, "the engine failed while generating this request", code="engine_error")
+        body = builder.full_response("".join(texts), token_ids, logprobs if builder.num_top_logprobs is not None
+                                     else None, last)
+        return JSONResponse(body)
+
+    def _finished(self, timer: RequestTimer, last) -> None:
+        req = last.request
+        now = time.monotonic()
+        timer.on_finish(last.finish_reason, now, num_prompt_tokens=last.num_prompt_tokens,
+                        num_output_tokens=last.num_output_tokens, arrival_time=req.arrival_time,
+                        first_scheduled_time=req.first_scheduled_time)
+        if self.log_requests:
+            logger.info("request %s finished (%s): %d prompt + %d output tokens in %.3f s", last.request_id,
+                        last.finish_reason, last.num_prompt_tokens, last.num_output_tokens, now - timer.arrival_time)
+
+
+async def _close_on_disconnect(http_request: Request, stream: RequestStream) -> None:
+    while True:
+        message = await http_request.receive()
+        if message["type"] == "http.disconnect":
+            stream.close()
+            return
+
+
+def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_len: int | None = None,
+               replica_name: str = "standalone", api_key: str | None = None,
+               request_guard: RequestGuard | None = None, drain_timeout_s: float = 30.0,
+               log_requests: bool = False, log_prompts: bool = False) -> FastAPI:
+    """The OpenAI app over `engine`. Its lifespan starts the engine loop and, on shutdown,
+    drains it (running requests get `drain_timeout_s` to finish)."""
+    server = OpenAIServer(engine, tokenizer, model_name=model_name, max_model_len=max_model_len,
+                          request_guard=request_guard, log_requests=log_requests, log_prompts=log_prompts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        engine.start()
+        yield
+        await engine.shutdown(drain_timeout_s)
+
+    app = FastAPI(title="roseray", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    install_error_handlers(app)
+
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/ready", server.ready, methods=["GET"])
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
+
+    @app.post("/v1/completions")
+    async def completions(http_request: Request, body: CompletionRequest) -> Response:
+        return await server.generate(http_request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http_request: Request, body: ChatCompletionRequest) -> Response:
+        return await server.generate(http_request, body)
+
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(ReplicaHeaderMiddleware, replica_name=replica_name)  # outermost: every response
+    return app

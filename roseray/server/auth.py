@@ -1,0 +1,40 @@
+"""Optional API key: `Authorization: Bearer <key>` on every path but the probes.
+
+A pure ASGI middleware (no per-request Starlette Request object, streaming untouched);
+the key is compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from roseray.server.errors import error_body
+
+OPEN_PATHS = frozenset({"/health", "/ready"})
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("api_key must be a non-empty string")
+        self.app = app
+        self._expected = b"bearer " + api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(error_body(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                     code="invalid_api_key")).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return hmac.compare_digest(scheme.lower() + b" " + token.strip(), self._expected)
+        return False

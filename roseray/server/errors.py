@@ -1,0 +1,102 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
+
+Every failure the API returns goes through `error_response`: 400 for any invalid
+request (FastAPI's 422 is converted), 401 bad API key, 404 unknown model or route,
+429 + Retry-After when the engine queue is full, 503 while not ready or draining.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """Raise anywhere in a route to answer with an OpenAI-shaped error."""
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPE_BY_STATUS.get(status_code, "server_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status_code: int, message: str, *, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status_code, message, param, code), status_code=status_code, headers=headers)
+
+
+_LEADING_FIELD = re.compile(r"^([a-z_]+) ")
+
+
+def param_of(message: str, known: set[str] | frozenset[str]) -> str | None:
+    """The field a validation message starts with ("top_p must be ..." -> "top_p")."""
+    match = _LEADING_FIELD.match(message)
+    return match.group(1) if match and match.group(1) in known else None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    if first.get("type") == "missing":
+        return f"missing required field {param!r}", param
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return (f"{param}: {message}{more}" if param else f"{message}{more}"), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status_code, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = "not found"
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(exc.status_code, message, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in the API")
+        return error_response(500, f"internal server error ({type(exc).__name__})")

@@ -1,0 +1,124 @@
+"""Prometheus metrics of one engine replica, vLLM's names under `roseray:`.
+
+Latency histograms and finish counters are observed per request by the API; engine
+gauges and counters (running, waiting, KV usage, prefix cache, tokens, preemptions) are
+read from the engine loop's latest stats snapshot at scrape time, so the hot path pays
+nothing for them. Each app has its own registry (several apps may live in one process).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from roseray.engine.async_engine import AsyncEngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class _EngineStatsCollector:
+    def __init__(self, model_name: str, read_stats: Callable[[], AsyncEngineStats]) -> None:
+        self.model_name = model_name
+        self.read_stats = read_stats
+
+    def collect(self):
+        s = self.read_stats()
+        label = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(f"roseray:{name}", doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"roseray:{name}", doc, labels=["model_name"])
+            family.add_metric(label, value)
+            return family
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", s.kv_cache_usage)
+        yield gauge("num_kv_blocks_free", "Free KV cache blocks.", s.num_free_blocks)
+        yield gauge("num_kv_blocks_total", "KV cache blocks.", s.num_total_blocks)
+        yield gauge("engine_heartbeat_age_seconds", "Seconds since the engine loop last stepped or woke.",
+                    max(0.0, time.monotonic() - s.last_heartbeat))
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter("prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total)
+        yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        yield counter("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions_total)
+        yield counter("engine_steps", "Engine steps run.", s.num_steps_total)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, read_stats: Callable[[], AsyncEngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"roseray:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
+                                    _LATENCY_BUCKETS)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt length of finished requests.",
+                                       _TOKEN_BUCKETS)
+        self.generation_tokens = histogram("request_generation_tokens", "Output length of finished requests.",
+                                           _TOKEN_BUCKETS)
+        success = Counter("roseray:request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=self.registry)
+        self._success = {reason: success.labels(model_name, reason) for reason in ("stop", "length", "abort", "error")}
+        self.registry.register(_EngineStatsCollector(model_name, read_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def request_timer(self, arrival_time: float) -> "RequestTimer":
+        return RequestTimer(self, arrival_time)
+
+
+class RequestTimer:
+    """Latency bookkeeping of one request (times from time.monotonic())."""
+
+    __slots__ = ("metrics", "arrival_time", "last_token_time")
+
+    def __init__(self, metrics: ServerMetrics, arrival_time: float) -> None:
+        self.metrics = metrics
+        self.arrival_time = arrival_time
+        self.last_token_time: float | None = None
+
+    def on_tokens(self, num_tokens: int, now: float) -> None:
+        if num_tokens <= 0:
+            return
+        if self.last_token_time is None:
+            self.metrics.ttft.observe(now - self.arrival_time)
+            num_tokens -= 1
+        if num_tokens > 0:
+            gap = (now - self.last_token_time) / num_tokens if self.last_token_time is not None else 0.0
+            for _ in range(num_tokens):
+                self.metrics.itl.observe(gap)
+        self.last_token_time = now
+
+    def on_finish(self, finish_reason: str | None, now: float, *, num_prompt_tokens: int, num_output_tokens: int,
+                  arrival_time: float | None, first_scheduled_time: float | None) -> None:
+        m = self.metrics
+        m.e2e.observe(now - self.arrival_time)
+        if first_scheduled_time is not None and arrival_time is not None:
+            m.queue_time.observe(max(0.0, first_scheduled_time - arrival_time))
+        m.prompt_tokens.observe(num_prompt_tokens)
+        m.generation_tokens.observe(num_output_tokens)
+        counter = m._success.get(finish_reason or "error")
+        if counter is not None:
+            counter.inc()
