@@ -1,0 +1,59 @@
+"""On a CUDA device: the Triton backend and CUDA graphs give the same greedy tokens as
+transformers and as eager mode. Skipped without a GPU (run on the GPU host)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from roseray import LLM, SamplingParams
+from tests.hf_models import make_tiny_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def batch(n=24, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 200) for _ in range(rng.randint(1, 60))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2"])
+def model_path(request, tmp_path_factory):
+    return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_triton_and_cuda_graphs_match_hf_fp32(model_path):
+    prompts = batch()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).cuda().eval()
+    hf.generation_config.eos_token_id = None
+    expected = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                          pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    for eager in (True, False):
+        llm = LLM(str(model_path), device="cuda", dtype="float32", attention_backend="triton", enforce_eager=eager,
+                  block_size=16, max_num_batched_tokens=64, gpu_memory_utilization=0.3)
+        assert bool(llm.engine.runner.graphs) == (not eager)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        llm.engine.check_integrity()
+        assert got == expected, f"eager={eager}"
+        del llm
+        torch.cuda.empty_cache()
+
+
+def test_bf16_graphs_equal_eager(model_path):
+    prompts = batch(64, seed=1)
+    outs = []
+    for eager in (True, False):
+        llm = LLM(str(model_path), device="cuda", dtype="bfloat16", enforce_eager=eager, gpu_memory_utilization=0.3)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[1]
