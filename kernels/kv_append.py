@@ -20,7 +20,7 @@ TOKENS_PER_PROGRAM = 1
 NUM_WARPS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _kv_append_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim], heads contiguous in a row
     value_ptr,
@@ -65,14 +65,18 @@ def kv_append(
 ) -> None:
     """Write key/value[t] to cache slot slot_mapping[t] for every token t (one launch)."""
     _check(key, value, k_cache, v_cache)
+    launch_kv_append(key, value, k_cache, v_cache, slot_mapping, TOKENS_PER_PROGRAM, NUM_WARPS)
+
+
+def launch_kv_append(key, value, k_cache, v_cache, slot_mapping, tokens_per_program: int, num_warps: int) -> None:
+    """The launch itself, with the tile shape as arguments (the benchmark sweeps them)."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
     row = k_cache.shape[2] * k_cache.shape[3]
-    grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM),)
-    _kv_append_kernel[grid](
+    _kv_append_kernel[(triton.cdiv(num_tokens, tokens_per_program),)](
         key, value, k_cache, v_cache, slot_mapping, num_tokens, key.stride(0), value.stride(0),
-        ROW=row, ROW_PAD=triton.next_power_of_2(row), BLOCK_T=TOKENS_PER_PROGRAM, num_warps=NUM_WARPS,
+        ROW=row, ROW_PAD=triton.next_power_of_2(row), BLOCK_T=tokens_per_program, num_warps=num_warps,
     )
 
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # finite "minus infinity" for the running max, so no inf - inf
+NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max, so no inf - inf
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def _tile_start(qsl_ptr, seq, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     """Largest seq in [0, num_seqs] with _tile_start(seq) <= tile (binary search)."""
-    lo = 0
+    lo = num_seqs * 0
     hi = num_seqs + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2

@@ -1,0 +1,322 @@
+"""Kernel microbenchmarks: KV append and paged attention (Triton) on CUDA.
+
+    python -m roseray.bench kernels [--out results.json] [--sweep]
+    python -m roseray.bench.kernels ...
+
+Times are medians of triton.testing.do_bench (CUDA events). Bandwidth counts the bytes a
+kernel must move: KV append reads and writes every K/V row of the step; decode attention
+reads every cached K/V byte of every sequence (queries and outputs are not counted).
+Percentages are of the H100 copy bandwidth of BENCHMARKS.md (3.02 TB/s, read + write)
+and of the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.testing
+
+from roseray_kernels import kv_append, kv_append_index_put_baseline, paged_attention
+from roseray_kernels.kv_append import TOKENS_PER_PROGRAM, launch_kv_append
+from roseray_kernels.paged_attention import (
+    DECODE_CONFIG,
+    PREFILL_CONFIG,
+    KernelConfig,
+    _launch_decode,
+    _launch_general,
+    choose_num_splits,
+)
+
+H100_COPY_BW = 3.02e12  # bytes/s, read + written (BENCHMARKS.md)
+QWEN3 = dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=16)  # Qwen3-0.6B attention
+GRAPH_REPEATS = 50  # launches per captured graph when timing device time without launch gaps
+CACHE_BLOCKS = 3 * 16384  # per layer-cache tensor: 1.5 GiB each for K and V in bf16
+KV_APPEND_TOKENS = (64, 256, 8192, 32768)
+DECODE_CASES = ((256, 1024), (64, 1024), (1, 32768), (4, 16384), (16, 8192), (64, 4096))  # (batch, context)
+PREFILL_CASES = {  # name: (cached prefix, query_len) per sequence
+    "prefill 4 x 2048 fresh": [(0, 2048)] * 4,
+    "prefill chunks 8 x 512 over 3584 cached": [(3584, 512)] * 8,
+    "mixed 256 decodes (ctx 1024) + 1 chunk 512": [(1023, 1)] * 256 + [(0, 512)],
+}
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+@dataclass
+class Row:
+    name: str
+    us: float
+    extra: dict = field(default_factory=dict)
+
+    def text(self) -> str:
+        bits = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.extra.items()]
+        return f"{self.name:<58} {self.us:10.2f} us   " + "  ".join(bits)
+
+
+# ---------------------------------------------------------------------------------------
+# Timing helpers
+# ---------------------------------------------------------------------------------------
+def median_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def graph_us(fn, repeats: int = GRAPH_REPEATS) -> float:
+    """Device time per call without host launch gaps: `repeats` calls captured in one graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    return median_us(graph.replay) / repeats
+
+
+def rotating(fns):
+    """One callable that cycles through several input sets (keeps L2 from serving repeats)."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(fns)
+        fns[state["i"]]()
+
+    return call
+
+
+def bandwidth(nbytes: float, us: float, copy_bw: float) -> dict:
+    bw = nbytes / (us * 1e-6)
+    return {"GB/s": bw / 1e9, "%3.02TB/s": 100 * bw / H100_COPY_BW, "%copy": 100 * bw / copy_bw}
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------
+def make_cache(num_blocks: int, dtype, device):
+    shape = (num_blocks, QWEN3["block_size"], QWEN3["num_kv_heads"], QWEN3["head_dim"])
+    return torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)
+
+
+@dataclass
+class DecodeBatch:
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    qsl: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    max_query_len: int
+    kv_bytes: int
+    flops: float
+
+
+def make_batch(k_cache, seqs, dtype, device) -> DecodeBatch:
+    """seqs: (cached prefix, query_len) per sequence; blocks are a random permutation."""
+    bs, hkv, d = QWEN3["block_size"], QWEN3["num_kv_heads"], QWEN3["head_dim"]
+    lens = [c + q for c, q in seqs]
+    need = [triton.cdiv(n, bs) for n in lens]
+    assert sum(need) <= k_cache.shape[0], "cache too small"
+    ids = torch.randperm(k_cache.shape[0], device=device)[: sum(need)].int()
+    tables = torch.zeros((len(seqs), max(need)), dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[start: start + n]
+        start += n
+    qlens = [q for _, q in seqs]
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    query = torch.randn(sum(qlens), QWEN3["num_heads"], d, dtype=dtype, device=device)
+    kv_bytes = sum(lens) * hkv * d * k_cache.element_size() * 2
+    # QK^T and PV over the keys each query sees (causal within the chunk).
+    visible = sum(q * c + q * (q + 1) // 2 for c, q in seqs)
+    flops = 4.0 * visible * QWEN3["num_heads"] * d
+    return DecodeBatch(query, qsl, torch.tensor(lens, dtype=torch.int32, device=device), tables, max(qlens),
+                       kv_bytes, flops)
+
+
+def attend(batch: DecodeBatch, k_cache, v_cache, max_seq_len: int, num_splits=None):
+    return lambda: paged_attention(batch.query, k_cache, v_cache, batch.qsl, batch.seq_lens, batch.tables,
+                                   QWEN3["head_dim"] ** -0.5, batch.max_query_len, max_seq_len, num_splits=num_splits)
+
+
+# ---------------------------------------------------------------------------------------
+# Benchmarks
+# ---------------------------------------------------------------------------------------
+def bench_copy(device) -> tuple[Row, float]:
+    src = torch.randn(2**28, dtype=torch.bfloat16, device=device)  # 512 MiB
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src))
+    bw = 2 * src.numel() * src.element_size() / (us * 1e-6)
+    return Row("device-to-device copy 512 MiB", us, {"GB/s": bw / 1e9}), bw
+
+
+def bench_empty(device) -> list[Row]:
+    x = torch.empty(1, device=device)
+    launch = lambda: _empty_kernel[(1,)](x)  # noqa: E731
+    return [Row("empty Triton kernel launch", median_us(launch)),
+            Row("empty Triton kernel, device time in a CUDA graph", graph_us(launch))]
+
+
+def bench_kv_append(k_cache, v_cache, copy_bw, empty_us, dtype, device) -> list[Row]:
+    """The public kv_append (argument checks included) against the index_put baseline."""
+    rows = []
+    hkv, d = QWEN3["num_kv_heads"], QWEN3["head_dim"]
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    for num_tokens in KV_APPEND_TOKENS:
+        sets = 4 if num_tokens >= 8192 else 1
+        inputs = []
+        for _ in range(sets):
+            qkv = torch.randn(num_tokens, 3, hkv, d, dtype=dtype, device=device)  # K, V as views of fused qkv
+            slots = torch.randperm(num_slots, device=device)[:num_tokens].int()
+            inputs.append((qkv[:, 1], qkv[:, 2], slots))
+        triton_fn = rotating([lambda a=a: kv_append(a[0], a[1], k_cache, v_cache, a[2]) for a in inputs])
+        base_fn = rotating([lambda a=a: kv_append_index_put_baseline(a[0], a[1], k_cache, v_cache, a[2])
+                            for a in inputs])
+        nbytes = 2 * 2 * num_tokens * hkv * d * k_cache.element_size() + num_tokens * 4
+        us, base_us = median_us(triton_fn), median_us(base_fn)
+        extra = {"x_empty": us / empty_us, "baseline_us": base_us, "speedup": base_us / us}
+        extra.update(bandwidth(nbytes, us, copy_bw))
+        rows.append(Row(f"kv_append {num_tokens} tokens (Qwen3, {str(dtype)[6:]})", us, extra))
+        if num_tokens <= 256:
+            g_us = graph_us(lambda a=inputs[0]: kv_append(a[0], a[1], k_cache, v_cache, a[2]))
+            rows.append(Row(f"kv_append {num_tokens} tokens, device time in a CUDA graph", g_us, {}))
+    return rows
+
+
+def bench_decode(k_cache, v_cache, copy_bw, dtype, device) -> list[Row]:
+    rows = []
+    for batch_size, ctx in DECODE_CASES:
+        batch = make_batch(k_cache, [(ctx - 1, 1)] * batch_size, dtype, device)
+        auto = choose_num_splits(batch_size, QWEN3["num_kv_heads"], ctx, device)
+        us = median_us(attend(batch, k_cache, v_cache, ctx))
+        extra = {"splits": auto, **bandwidth(batch.kv_bytes, us, copy_bw)}
+        if auto > 1:
+            extra["us_1split"] = median_us(attend(batch, k_cache, v_cache, ctx, num_splits=1))
+        rows.append(Row(f"decode attention batch {batch_size} x ctx {ctx}", us, extra))
+        if (batch_size, ctx) == (256, 1024):
+            hint = median_us(attend(batch, k_cache, v_cache, 40960))
+            rows.append(Row("  same, max_seq_len hint 40960 (graph capture)", hint, bandwidth(batch.kv_bytes, hint, copy_bw)))
+            g_us = graph_us(attend(batch, k_cache, v_cache, 40960), repeats=10)
+            rows.append(Row("  same, device time in a CUDA graph", g_us, bandwidth(batch.kv_bytes, g_us, copy_bw)))
+    return rows
+
+
+def bench_prefill(k_cache, v_cache, copy_bw, dtype, device) -> list[Row]:
+    rows = []
+    for name, seqs in PREFILL_CASES.items():
+        batch = make_batch(k_cache, seqs, dtype, device)
+        us = median_us(attend(batch, k_cache, v_cache, max(c + q for c, q in seqs)))
+        rows.append(Row(name, us, {"TFLOP/s": batch.flops / (us * 1e-6) / 1e12, **bandwidth(batch.kv_bytes, us, copy_bw)}))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# Sweeps (tile shapes; the defaults in roseray_kernels come from these)
+# ---------------------------------------------------------------------------------------
+def sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline: float) -> list[Row]:
+    rows = []
+    scale = QWEN3["head_dim"] ** -0.5
+    decode = make_batch(k_cache, [(1023, 1)] * 256, dtype, device)
+    out = torch.empty_like(decode.query)
+    for block_n in (32, 64, 128):
+        for num_warps in (2, 4, 8):
+            for num_stages in (2, 3, 4):
+                if time.time() > deadline:
+                    return rows + [Row("sweep stopped at its deadline", 0.0)]
+                cfg = KernelConfig(block_n, num_warps, num_stages)
+                fn = lambda cfg=cfg: _launch_decode(decode.query, k_cache, v_cache, out, decode.qsl,  # noqa: E731
+                                                    decode.seq_lens, decode.tables, scale, 1, cfg)
+                rows.append(_try(f"sweep decode 256x1024 n{block_n} w{num_warps} s{num_stages}", fn,
+                                 lambda us: bandwidth(decode.kv_bytes, us, copy_bw)))
+    for batch_size, ctx in ((1, 32768), (4, 16384), (16, 8192)):
+        batch = make_batch(k_cache, [(ctx - 1, 1)] * batch_size, dtype, device)
+        for splits in (1, 4, 8, 16, 32):
+            if time.time() > deadline:
+                return rows + [Row("sweep stopped at its deadline", 0.0)]
+            rows.append(_try(f"sweep decode {batch_size}x{ctx} splits {splits}",
+                             attend(batch, k_cache, v_cache, ctx, num_splits=splits),
+                             lambda us, b=batch: bandwidth(b.kv_bytes, us, copy_bw)))
+    prefill = make_batch(k_cache, [(3584, 512)] * 8, dtype, device)
+    pout = torch.empty_like(prefill.query)
+    for block_m, block_n, num_warps, num_stages in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2),
+                                                    (128, 64, 8, 3), (128, 32, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2)):
+        if time.time() > deadline:
+            return rows + [Row("sweep stopped at its deadline", 0.0)]
+        cfg = KernelConfig(block_n, num_warps, num_stages, block_m)
+        fn = lambda cfg=cfg: _launch_general(prefill.query, k_cache, v_cache, pout, prefill.qsl,  # noqa: E731
+                                             prefill.seq_lens, prefill.tables, scale, cfg)
+        rows.append(_try(f"sweep prefill 8x512/3584 m{block_m} n{block_n} w{num_warps} s{num_stages}", fn,
+                         lambda us: {"TFLOP/s": prefill.flops / (us * 1e-6) / 1e12}))
+    hkv, d = QWEN3["num_kv_heads"], QWEN3["head_dim"]
+    for num_tokens in (256, 8192):
+        qkv = torch.randn(num_tokens, 3, hkv, d, dtype=dtype, device=device)
+        slots = torch.randperm(k_cache.shape[0] * k_cache.shape[1], device=device)[:num_tokens].int()
+        nbytes = 4 * num_tokens * hkv * d * k_cache.element_size()
+        for block_t in (1, 2, 4, 8):
+            for num_warps in (1, 2, 4, 8):
+                if time.time() > deadline:
+                    return rows + [Row("sweep stopped at its deadline", 0.0)]
+                fn = lambda bt=block_t, nw=num_warps: launch_kv_append(qkv[:, 1], qkv[:, 2], k_cache, v_cache,  # noqa: E731
+                                                                      slots, bt, nw)
+                rows.append(_try(f"sweep kv_append {num_tokens} t{block_t} w{num_warps}", fn,
+                                 lambda us: {"x_empty": us / empty_us, **bandwidth(nbytes, us, copy_bw)},
+                                 graph=num_tokens <= 256))
+    return rows
+
+
+def _try(name, fn, extra_of, graph=False) -> Row:
+    try:
+        us = graph_us(fn) if graph else median_us(fn)
+        return Row(name, us, extra_of(us))
+    except Exception as exc:  # a tile shape that does not compile or fit is a result too
+        return Row(name, float("nan"), {"error": type(exc).__name__ + ": " + str(exc)[:80]})
+
+
+# ---------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m roseray.bench kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--sweep", action="store_true", help="also sweep tile shapes and split counts")
+    parser.add_argument("--sweep-seconds", type=float, default=150.0, help="stop the sweep after this long")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel benchmarks need a CUDA device", file=sys.stderr)
+        return 2
+    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    torch.manual_seed(0)
+
+    copy_row, copy_bw = bench_copy(device)
+    rows = [copy_row] + bench_empty(device)
+    empty_us = rows[1].us
+    k_cache, v_cache = make_cache(CACHE_BLOCKS, dtype, device)
+    rows += bench_kv_append(k_cache, v_cache, copy_bw, empty_us, dtype, device)
+    rows += bench_decode(k_cache, v_cache, copy_bw, dtype, device)
+    rows += bench_prefill(k_cache, v_cache, copy_bw, dtype, device)
+    if args.sweep:
+        sweep_rows = sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, time.time() + args.sweep_seconds)
+        print("\n".join(r.text() for r in sweep_rows))
+        rows += sweep_rows
+
+    print(f"\nroseray kernels on {torch.cuda.get_device_name(0)}, {time.strftime('%Y-%m-%d %H:%M')}, "
+          f"torch {torch.__version__}, triton {triton.__version__}, {args.dtype}")
+    print(f"defaults: decode {DECODE_CONFIG}, prefill {PREFILL_CONFIG}, kv_append {TOKENS_PER_PROGRAM} token(s)/program")
+    print("\n".join(r.text() for r in rows if not r.name.startswith("sweep")))
+    if args.out:
+        payload = {"benchmark": "kernels", "device": torch.cuda.get_device_name(0), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                   "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+                   "dtype": args.dtype, "rows": [{"name": r.name, "us": r.us, **r.extra} for r in rows]}
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
