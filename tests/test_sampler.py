@@ -135,25 +135,30 @@ def test_top_k_and_min_p_exclude_and_plain_sampling_follows_softmax():
 # --- seeds ----------------------------------------------------------------------------
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
 def step_logits(step: int, vocab_size: int = 500) -> torch.Tensor:
     return torch.randn(vocab_size, generator=torch.Generator().manual_seed(1000 + step))  # [V]
 
 
-def generate_alone(params: SamplingParams, num_steps: int) -> list[int]:
+def generate_alone(params: SamplingParams, num_steps: int, device: str) -> list[int]:
     req = make_request(params, rid="alone")
     sampler = Sampler(seed=12345)
     for step in range(num_steps):
-        token_id = sampler(step_logits(step).unsqueeze(0), [req]).token_ids[0]
+        token_id = sampler(step_logits(step).unsqueeze(0).to(device), [req]).token_ids[0]
         append_token(req, token_id)
     return req.output_token_ids
 
 
-def test_seeded_request_gives_the_same_tokens_alone_and_in_any_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_request_gives_the_same_tokens_alone_and_in_any_batch(device):
     num_steps = 10
     target_params = SamplingParams(temperature=1.2, top_p=0.95, seed=42)
-    alone = generate_alone(target_params, num_steps)
-    assert generate_alone(target_params, num_steps) == alone
-    assert generate_alone(SamplingParams(temperature=1.2, top_p=0.95, seed=43), num_steps) != alone
+    alone = generate_alone(target_params, num_steps, device)
+    assert generate_alone(target_params, num_steps, device) == alone
+    assert generate_alone(SamplingParams(temperature=1.2, top_p=0.95, seed=43), num_steps, device) != alone
 
     target = make_request(target_params, rid="target")
     others = [
@@ -169,7 +174,7 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_any_batch():
         members = others[: step % len(others) + 1]
         batch = members[: step % 3] + [target] + members[step % 3:]
         logits = torch.stack([step_logits(step) if r is target else torch.randn(500) for r in batch])
-        out = sampler(logits, batch)
+        out = sampler(logits.to(device), batch)
         for req, token_id in zip(batch, out.token_ids):
             append_token(req, token_id)
     assert target.output_token_ids == alone
@@ -282,5 +287,5 @@ def test_one_device_to_host_sync_per_call_on_gpu():
                 sampler(logits[: len(batch)], batch)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
         assert len(syncs) == 1, [str(w.message) for w in syncs]
