@@ -61,7 +61,8 @@ class ByteTokenizer(Tokenizer):
 
     def __init__(self, vocab_size: int, name: str = "byte") -> None:
         if vocab_size < 256 + len(self.SPECIAL_TOKENS):
-            raise ValueError(f"the byte tokenizer needs vocab_size >= {256 + len(self.SPECIAL_TOKENS)}; got {vocab_size}")
+            minimum = 256 + len(self.SPECIAL_TOKENS)
+            raise ValueError(f"the byte tokenizer needs vocab_size >= {minimum}; got {vocab_size}")
         self.name, self.vocab_size = name, vocab_size
         self.special_ids = {token: vocab_size - 1 - i for i, token in enumerate(self.SPECIAL_TOKENS)}
         self.special_text = {token_id: token.encode() for token, token_id in self.special_ids.items()}

@@ -86,7 +86,7 @@ def make_hf_model(kind: str, seed: int = 0) -> PreTrainedModel:
     torch.manual_seed(seed)
     model = _MODEL_CLASSES[kind](config).float().eval()
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:  # norm weights and biases
                 param.add_(torch.randn_like(param) * 0.1)
     return model

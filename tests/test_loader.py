@@ -245,4 +245,5 @@ def test_big_preset_geometry(preset, geometry):
 def test_preset_details():
     qwen3, llama = PRESETS["qwen3-0.6b"](), PRESETS["llama-3.2-1b"]()
     assert qwen3.qk_norm and qwen3.rope_theta == 1e6 and qwen3.rms_norm_eps == 1e-6
-    assert llama.rope_theta == 5e5 and llama.rope_scaling["rope_type"] == "llama3" and llama.rope_scaling["factor"] == 32.0
+    assert llama.rope_theta == 5e5
+    assert llama.rope_scaling["rope_type"] == "llama3" and llama.rope_scaling["factor"] == 32.0

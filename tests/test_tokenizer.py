@@ -72,7 +72,9 @@ def test_byte_tokenizer_needs_room_for_bytes_and_specials():
 
 def test_default_chat_template_for_the_byte_tokenizer(byte_tokenizer):
     text = byte_tokenizer.apply_chat_template(MESSAGES)
-    assert text == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhéllo 🙂<|im_end|>\n<|im_start|>assistant\n"
+    assert text == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhéllo 🙂<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = byte_tokenizer.encode(text)
     assert ids[0] == 510 and ids.count(510) == 3 and ids.count(509) == 2  # specials are single tokens
     assert not byte_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=False).endswith("assistant\n")
@@ -93,7 +95,8 @@ def test_hf_wrapper_on_the_tiny_saved_tokenizer(tiny_dir):
     ids = tokenizer.encode(text)
     assert tokenizer.decode(ids) == text
     assert len(ids) < len(text.encode())  # merges were learned
-    assert tokenizer.decode([*ids, 0]) == text and tokenizer.decode([*ids, 0], skip_special_tokens=False).endswith("<|endoftext|>")
+    assert tokenizer.decode([*ids, 0]) == text
+    assert tokenizer.decode([*ids, 0], skip_special_tokens=False).endswith("<|endoftext|>")
 
 
 def test_hf_wrapper_uses_the_tokenizers_own_chat_template(tiny_dir):

@@ -53,9 +53,11 @@ def load_weight_entries(model: nn.Module, entries: Iterable[WeightEntry]) -> Non
             )
         dest.copy_(entry.tensor)
         loaded.add((entry.param_name, entry.shard))
-    missing = sorted(f"{name}" + ("" if shard is None else f"[shard {shard}]") for name, shard in expected - loaded)
+    missing = sorted(name + ("" if shard is None else f"[shard {shard}]") for name, shard in expected - loaded)
     if missing:
-        raise ValueError(f"checkpoint is missing {len(missing)} weight(s) of {type(model).__name__}: {', '.join(missing[:8])}")
+        raise ValueError(
+            f"checkpoint is missing {len(missing)} weight(s) of {type(model).__name__}: {', '.join(missing[:8])}"
+        )
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:

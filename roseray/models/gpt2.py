@@ -95,7 +95,8 @@ class GPT2ForCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" or name.endswith(_SKIPPED):
                 continue
-            param_name = name if name.startswith("transformer.") else f"transformer.{name}"  # the original gpt2 has no prefix
+            # The original gpt2 checkpoint names its tensors without the "transformer." prefix.
+            param_name = name if name.startswith("transformer.") else f"transformer.{name}"
             if name.endswith(_CONV1D):
                 tensor = tensor.t()
             yield WeightEntry(name, param_name, None, tensor)

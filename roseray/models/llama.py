@@ -102,7 +102,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        cos_sin = self.rotary_emb(positions)  # [num_tokens, head_dim]
+        cos_sin = self.rotary_emb(positions).to(hidden.dtype)  # [num_tokens, head_dim], cast once for all layers
         for layer in self.layers:
             hidden = layer(cos_sin, hidden)
         return self.norm(hidden)

@@ -128,7 +128,9 @@ def _first(hf: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 def _gpt2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
-        raise ValueError("GPT-2 variants with scale_attn_by_inverse_layer_idx or without scale_attn_weights are unsupported")
+        raise ValueError(
+            "GPT-2 variants with scale_attn_by_inverse_layer_idx or without scale_attn_weights are unsupported"
+        )
     if not hf.get("tie_word_embeddings", True):
         raise ValueError("GPT-2 without tied word embeddings is unsupported")
     hidden = _first(hf, "n_embd", "hidden_size")
