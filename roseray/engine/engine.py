@@ -51,7 +51,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.model_name = config.model
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_config)
-        model = load_model(self.model_config, config.model, self.device, self.dtype)
+        model = load_model(self.model_config, config.model, self.device, self.dtype, seed=config.seed)
         self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.max_num_seqs,
                                           self.runner.max_blocks_per_seq, config.enable_prefix_caching)
