@@ -92,21 +92,23 @@ filter_cases = st.integers(1, 40).flatmap(lambda vocab_size: st.tuples(
     st.sampled_from([1.0]) | st.floats(0.01, 1.0),
     st.sampled_from([0.0]) | st.floats(0.0, 1.0),
     st.integers(0, 2**32),
+    st.sampled_from([-1]) | st.integers(1, vocab_size),  # top_k of other rows in the batch
 ))
 
 
 @settings(max_examples=300, deadline=None)
 @given(filter_cases)
 def test_filters_never_emit_excluded_tokens(case):
-    values, temperature, top_k, top_p, min_p, seed = case
+    values, temperature, top_k, top_p, min_p, seed, other_top_k = case
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     logits_row = torch.tensor(values, dtype=torch.float32)
     allowed = allowed_tokens(logits_row, params)
     assert int(logits_row.argmax()) in allowed  # the top token always survives
-    num_draws = 64
-    requests = [make_request(params) for _ in range(num_draws)]
-    out = Sampler(seed=seed)(logits_row.expand(num_draws, -1).contiguous(), requests)
-    assert set(out.token_ids) <= allowed
+    num_draws = 48
+    other = SamplingParams(temperature=1.0, top_k=other_top_k, top_p=0.8)  # changes the candidate count
+    requests = [make_request(params) for _ in range(num_draws)] + [make_request(other) for _ in range(16)]
+    out = Sampler(seed=seed)(logits_row.expand(len(requests), -1).contiguous(), requests)
+    assert set(out.token_ids[:num_draws]) <= allowed
 
 
 def test_top_p_keeps_the_smallest_nucleus_and_samples_in_proportion():
@@ -118,6 +120,17 @@ def test_top_p_keeps_the_smallest_nucleus_and_samples_in_proportion():
     assert abs(counts[0] / 4000 - 0.5 / 0.8) < 0.04
     requests = [make_request(SamplingParams(top_p=0.45)) for _ in range(200)]
     assert set(Sampler(seed=1)(logits[:200], requests).token_ids) == {0}  # at least the top token
+
+
+def test_top_p_after_top_k_uses_the_renormalised_top_k_in_a_mixed_batch():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.05, 0.03, 0.02])
+    logits = probs.log().expand(600, -1).contiguous()
+    top_2 = SamplingParams(top_k=2, top_p=0.5)  # within the top 2: 0.57, 0.43 -> token 0 alone reaches 0.5
+    top_4 = SamplingParams(top_k=4)  # makes 4 candidates per row
+    requests = [make_request(top_2 if i % 2 == 0 else top_4) for i in range(600)]
+    token_ids = Sampler(seed=4)(logits, requests).token_ids
+    assert set(token_ids[0::2]) == {0}
+    assert set(token_ids[1::2]) == {0, 1, 2, 3}
 
 
 def test_top_k_and_min_p_exclude_and_plain_sampling_follows_softmax():
@@ -153,31 +166,41 @@ def generate_alone(params: SamplingParams, num_steps: int, device: str) -> list[
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_seeded_request_gives_the_same_tokens_alone_and_in_any_batch(device):
+def test_seeded_requests_give_the_same_tokens_alone_and_in_any_batch(device):
     num_steps = 10
-    target_params = SamplingParams(temperature=1.2, top_p=0.95, seed=42)
-    alone = generate_alone(target_params, num_steps, device)
-    assert generate_alone(target_params, num_steps, device) == alone
-    assert generate_alone(SamplingParams(temperature=1.2, top_p=0.95, seed=43), num_steps, device) != alone
+    nucleus = SamplingParams(temperature=1.2, top_p=0.95, seed=42)
+    top_k_nucleus = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, seed=5, repetition_penalty=1.3)
+    alone = {"nucleus": generate_alone(nucleus, num_steps, device),
+             "top_k_nucleus": generate_alone(top_k_nucleus, num_steps, device)}
+    assert generate_alone(nucleus, num_steps, device) == alone["nucleus"]
+    assert generate_alone(SamplingParams(temperature=1.2, top_p=0.95, seed=43), num_steps, device) != alone["nucleus"]
 
-    target = make_request(target_params, rid="target")
-    others = [
-        make_request(SamplingParams(temperature=1.0), rid="unseeded"),
-        make_request(SamplingParams(temperature=0.8, top_k=20, seed=42), rid="same-seed-other-params"),
-        make_request(SamplingParams(temperature=0.0), rid="greedy"),
-        make_request(SamplingParams(temperature=1.5, seed=7, presence_penalty=1.0), rid="seeded"),
-        make_request(SamplingParams(temperature=1.0, logprobs=2), rid="logprobs"),
-    ]
+    targets = {name: make_request(params, rid=name) for name, params in
+               (("nucleus", nucleus), ("top_k_nucleus", top_k_nucleus))}
+    others = {
+        "unseeded": make_request(SamplingParams(temperature=1.0), rid="unseeded"),
+        "top_k_same_seed": make_request(SamplingParams(temperature=0.8, top_k=20, seed=42), rid="top_k_same_seed"),
+        "greedy": make_request(SamplingParams(temperature=0.0), rid="greedy"),
+        "seeded": make_request(SamplingParams(temperature=1.5, seed=7, presence_penalty=1.0), rid="seeded"),
+        "logprobs": make_request(SamplingParams(temperature=1.0, logprobs=2), rid="logprobs"),
+    }
+    # Batches change every step: members come and go, targets move rows, and the top-k/top-p
+    # candidate count changes (all rows with top-k: 40 candidates; otherwise the whole vocab).
+    batches = [["top_k_nucleus", "greedy", "top_k_same_seed"], ["unseeded", "nucleus", "top_k_nucleus", "logprobs"],
+               ["nucleus"], ["greedy", "top_k_same_seed", "top_k_nucleus", "seeded", "nucleus"],
+               ["top_k_nucleus"], ["logprobs", "nucleus", "unseeded", "greedy", "seeded", "top_k_nucleus"]]
     sampler = Sampler()  # a different shared seed must not matter
-    for step in range(num_steps):
-        # The batch changes every step: other members come and go, the target moves rows.
-        members = others[: step % len(others) + 1]
-        batch = members[: step % 3] + [target] + members[step % 3:]
-        logits = torch.stack([step_logits(step) if r is target else torch.randn(500) for r in batch])
+    step = 0
+    while any(len(t.output_token_ids) < num_steps for t in targets.values()):
+        batch = [targets.get(name) or others[name] for name in batches[step % len(batches)]]
+        batch = [r for r in batch if r.request_id not in targets or len(r.output_token_ids) < num_steps]
+        logits = torch.stack([step_logits(len(r.output_token_ids)) if r.request_id in targets else torch.randn(500)
+                              for r in batch])
         out = sampler(logits.to(device), batch)
         for req, token_id in zip(batch, out.token_ids):
             append_token(req, token_id)
-    assert target.output_token_ids == alone
+        step += 1
+    assert {name: t.output_token_ids for name, t in targets.items()} == alone
 
 
 def test_unseeded_sampler_seed_makes_runs_repeatable():
@@ -289,3 +312,15 @@ def test_one_device_to_host_sync_per_call_on_gpu():
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
         assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_cached_prompt_ids_follow_the_request_not_just_its_id():
+    logits = torch.tensor([[3.0, 2.9, 2.8, 0.0]])
+    sampler = Sampler()
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    first = make_request(params, prompt=[0], eos=frozenset(), rid="same-id")
+    assert [sampler(logits, [first]).token_ids[0] for _ in range(2)] == [1, 1]  # second call: cached
+    second = make_request(params, prompt=[1], eos=frozenset(), rid="same-id")  # a new request, same id
+    assert sampler(logits, [second]).token_ids == [0]
+    both = make_request(params, prompt=[0, 1], eos=frozenset(), rid="other")
+    assert sampler(logits.expand(2, -1), [second, both]).token_ids == [0, 2]

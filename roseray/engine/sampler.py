@@ -120,10 +120,8 @@ class Sampler:
         logits.div_(_to_device(params.temperatures, torch.float32, device).unsqueeze(1))
         top_ks = _to_device(params.top_ks, torch.int64, device) if _uses_top_k(params, logits.shape[1]) else None
         top_ps = _to_device(params.top_ps, torch.float32, device) if _uses_top_p(params) else None
-        if top_ps is not None:
-            logits = apply_top_k_top_p(logits, top_ks, top_ps)
-        elif top_ks is not None:
-            apply_top_k(logits, top_ks, max(params.top_ks))
+        if top_ks is not None or top_ps is not None:
+            apply_top_k_top_p(logits, top_ks, top_ps, num_candidates=max(params.top_ks))
         probs = logits.softmax(dim=-1)  # [B, V]
         if any(min_p > 0.0 for min_p in params.min_ps):
             apply_min_p(probs, _to_device(params.min_ps, torch.float32, device))
@@ -250,25 +248,32 @@ def mask_min_tokens(logits: torch.Tensor, requests: list[Request], rows: list[in
         logits.index_put_(index, blocked_logits)
 
 
-def apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor, max_top_k: int) -> None:
-    """Keep the top_ks[i] largest logits of row i (ties with the k-th kept too)."""
-    top_values = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending
-    kth_value = top_values.gather(1, (top_ks - 1).unsqueeze(1))  # [B, 1]
-    logits.masked_fill_(logits < kth_value, float("-inf"))
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None,
+                      num_candidates: int) -> None:
+    """Top-k, then nucleus (top-p) on what is left, in place, as value cutoffs per row.
 
-
-def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor) -> torch.Tensor:
-    """Top-k (when given), then nucleus on what is left: keep the smallest prefix of the
-    sorted tokens whose probability reaches top_p, always at least the top token."""
-    sorted_logits, sorted_token_ids = logits.sort(dim=-1, descending=True)  # [B, V]
+    Top-p keeps the smallest run of most likely tokens whose probability reaches top_p
+    (always the top token). Both filters mask by value (`logit < cutoff`), so ties with a
+    cutoff are kept and the result does not depend on how a sort orders equal values.
+    Only the `num_candidates` largest logits per row are sorted: that is every row's top-k
+    when all rows have one (vocab size otherwise).
+    """
+    if num_candidates < logits.shape[1]:
+        candidates = logits.topk(num_candidates, dim=-1).values  # [B, C], descending
+    else:
+        candidates = logits.sort(dim=-1, descending=True).values  # [B, V]
     if top_ks is not None:
-        kth_value = sorted_logits.gather(1, (top_ks - 1).unsqueeze(1))  # [B, 1]
-        sorted_logits.masked_fill_(sorted_logits < kth_value, float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the tokens ranked above
-    outside_nucleus = mass_before >= top_ps.unsqueeze(1)  # the top token has 0 before it: always kept
-    sorted_logits.masked_fill_(outside_nucleus, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_token_ids, sorted_logits)
+        kth_value = candidates.gather(1, (top_ks - 1).unsqueeze(1))  # [B, 1]
+        logits.masked_fill_(logits < kth_value, float("-inf"))
+    if top_ps is None:
+        return
+    # Normalised over the row left by top-k (not over the candidates, which may hold more than
+    # the row's k): the same probabilities whatever the candidate count of the batch.
+    candidate_probs = (candidates - logits.logsumexp(dim=-1, keepdim=True)).exp()  # [B, C]
+    mass_before = candidate_probs.cumsum(dim=-1) - candidate_probs  # probability ranked above each
+    num_kept = (mass_before < top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True)  # >= 1: the top has 0 above
+    cutoff = candidates.gather(1, num_kept - 1)  # [B, 1]
+    logits.masked_fill_(logits < cutoff, float("-inf"))
 
 
 def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> None:
