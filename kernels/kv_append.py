@@ -36,15 +36,18 @@ def _kv_append_kernel(
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     in_range = tokens < num_tokens
-    slots = tl.load(slot_ptr + tokens, mask=in_range, other=-1).to(tl.int64)
     cols = tl.arange(0, ROW_PAD)  # [ROW_PAD]
-    mask = (slots >= 0)[:, None] & (cols < ROW)[None, :]  # [BLOCK_T, ROW_PAD]
+    col_ok = (cols < ROW)[None, :]
+    # The K/V loads do not wait for the slot load (padding rows are read, never stored):
+    # the two memory round trips overlap, which is most of a small step's time.
+    slots = tl.load(slot_ptr + tokens, mask=in_range, other=-1).to(tl.int64)
     tokens = tokens.to(tl.int64)
-    k = tl.load(key_ptr + tokens[:, None] * stride_key_token + cols[None, :], mask=mask)
-    v = tl.load(value_ptr + tokens[:, None] * stride_value_token + cols[None, :], mask=mask)
+    k = tl.load(key_ptr + tokens[:, None] * stride_key_token + cols[None, :], mask=in_range[:, None] & col_ok)
+    v = tl.load(value_ptr + tokens[:, None] * stride_value_token + cols[None, :], mask=in_range[:, None] & col_ok)
+    store = (slots >= 0)[:, None] & col_ok  # [BLOCK_T, ROW_PAD]
     dst = slots[:, None] * ROW + cols[None, :]
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=store)
+    tl.store(v_cache_ptr + dst, v, mask=store)
 
 
 def _check(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ class KernelConfig:
 
 DECODE_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
 PREFILL_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=2, block_m=64)
-MAX_SPLITS = 32
+MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
 
 
@@ -273,8 +273,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= target or max_seq_len <= MIN_TOKENS_PER_SPLIT:
         return 1
-    splits = min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), MAX_SPLITS)
-    return triton.next_power_of_2(splits) if splits > 1 else 1
+    splits = min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
+    return min(triton.next_power_of_2(splits), MAX_SPLITS)
 
 
 def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
@@ -357,7 +357,7 @@ def _launch_decode(query, k_cache, v_cache, out, qsl, seq_lens, tables, scale, n
     )
     if num_splits > 1 and num_seqs > 0:
         _combine_splits_kernel[(num_seqs, num_heads)](
-            out, qsl, part_acc, part_ml, num_heads, sot, soh, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=1,
+            out, qsl, part_acc, part_ml, num_heads, sot, soh, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=4,
         )
 
 

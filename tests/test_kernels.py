@@ -175,7 +175,7 @@ def test_decode_across_block_boundaries(group, dtype):
     step.check(step.attend())
 
 
-@pytest.mark.parametrize("num_splits", [2, 4])
+@pytest.mark.parametrize("num_splits", [2, 4, 64])
 def test_decode_split_kv_with_graph_padding(num_splits):
     """Flash-decoding splits, a padded sequence (seq_len 0, slot -1) and padding rows."""
     seqs = decode_seqs([40 * SCALE_UP, 3, 16, 70 * SCALE_UP]) + [(0, 0)]

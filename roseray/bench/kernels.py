@@ -218,7 +218,22 @@ def bench_prefill(k_cache, v_cache, copy_bw, dtype, device) -> list[Row]:
 # ---------------------------------------------------------------------------------------
 # Sweeps (tile shapes; the defaults in roseray_kernels come from these)
 # ---------------------------------------------------------------------------------------
-def sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline: float) -> list[Row]:
+SWEEP_PARTS = ("decode", "splits", "prefill", "kv_append")
+SPLIT_CASES = ((1, 32768), (4, 16384), (16, 8192), (64, 1024))
+
+
+def sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline: float, parts=SWEEP_PARTS) -> list[Row]:
+    rows = []
+    args = (k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline)
+    for part in parts:
+        rows += {"decode": sweep_decode_tiles, "splits": sweep_splits, "prefill": sweep_prefill_tiles,
+                 "kv_append": sweep_kv_append}[part](*args)
+        if time.time() > deadline:
+            return rows + [Row("sweep stopped at its deadline", 0.0)]
+    return rows
+
+
+def sweep_decode_tiles(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline) -> list[Row]:
     rows = []
     scale = QWEN3["head_dim"] ** -0.5
     decode = make_batch(k_cache, [(1023, 1)] * 256, dtype, device)
@@ -233,14 +248,25 @@ def sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline: float) -
                                                     decode.seq_lens, decode.tables, scale, 1, cfg)
                 rows.append(_try(f"sweep decode 256x1024 n{block_n} w{num_warps} s{num_stages}", fn,
                                  lambda us: bandwidth(decode.kv_bytes, us, copy_bw)))
-    for batch_size, ctx in ((1, 32768), (4, 16384), (16, 8192)):
+    return rows
+
+
+def sweep_splits(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline) -> list[Row]:
+    rows = []
+    for batch_size, ctx in SPLIT_CASES:
         batch = make_batch(k_cache, [(ctx - 1, 1)] * batch_size, dtype, device)
-        for splits in (1, 4, 8, 16, 32):
-            if time.time() > deadline:
-                return rows + [Row("sweep stopped at its deadline", 0.0)]
+        for splits in (1, 2, 4, 8, 16, 32, 64, 128):
+            if splits * 256 > ctx or time.time() > deadline:
+                continue
             rows.append(_try(f"sweep decode {batch_size}x{ctx} splits {splits}",
                              attend(batch, k_cache, v_cache, ctx, num_splits=splits),
                              lambda us, b=batch: bandwidth(b.kv_bytes, us, copy_bw)))
+    return rows
+
+
+def sweep_prefill_tiles(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline) -> list[Row]:
+    rows = []
+    scale = QWEN3["head_dim"] ** -0.5
     prefill = make_batch(k_cache, [(3584, 512)] * 8, dtype, device)
     pout = torch.empty_like(prefill.query)
     for block_m, block_n, num_warps, num_stages in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2),
@@ -252,6 +278,11 @@ def sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline: float) -
                                              prefill.seq_lens, prefill.tables, scale, cfg)
         rows.append(_try(f"sweep prefill 8x512/3584 m{block_m} n{block_n} w{num_warps} s{num_stages}", fn,
                          lambda us: {"TFLOP/s": prefill.flops / (us * 1e-6) / 1e12}))
+    return rows
+
+
+def sweep_kv_append(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline) -> list[Row]:
+    rows = []
     hkv, d = QWEN3["num_kv_heads"], QWEN3["head_dim"]
     for num_tokens in (256, 8192):
         qkv = torch.randn(num_tokens, 3, hkv, d, dtype=dtype, device=device)
@@ -263,9 +294,9 @@ def sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline: float) -
                     return rows + [Row("sweep stopped at its deadline", 0.0)]
                 fn = lambda bt=block_t, nw=num_warps: launch_kv_append(qkv[:, 1], qkv[:, 2], k_cache, v_cache,  # noqa: E731
                                                                       slots, bt, nw)
-                rows.append(_try(f"sweep kv_append {num_tokens} t{block_t} w{num_warps}", fn,
-                                 lambda us: {"x_empty": us / empty_us, **bandwidth(nbytes, us, copy_bw)},
-                                 graph=num_tokens <= 256))
+                graph = num_tokens <= 256  # small steps: device time in a graph (launch cost is the same for all)
+                rows.append(_try(f"sweep kv_append {num_tokens} t{block_t} w{num_warps}" + (" (graph)" if graph else ""),
+                                 fn, lambda us: bandwidth(nbytes, us, copy_bw), graph=graph))
     return rows
 
 
@@ -284,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m roseray.bench kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--sweep", action="store_true", help="also sweep tile shapes and split counts")
+    parser.add_argument("--sweep", nargs="?", const=",".join(SWEEP_PARTS), default="",
+                        help=f"also sweep tile shapes / split counts: comma list of {','.join(SWEEP_PARTS)} (default all)")
     parser.add_argument("--sweep-seconds", type=float, default=150.0, help="stop the sweep after this long")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -301,7 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     rows += bench_decode(k_cache, v_cache, copy_bw, dtype, device)
     rows += bench_prefill(k_cache, v_cache, copy_bw, dtype, device)
     if args.sweep:
-        sweep_rows = sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, time.time() + args.sweep_seconds)
+        parts = [p for p in args.sweep.split(",") if p]
+        unknown = set(parts) - set(SWEEP_PARTS)
+        if unknown:
+            parser.error(f"unknown sweep parts {sorted(unknown)}; choose from {SWEEP_PARTS}")
+        sweep_rows = sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, time.time() + args.sweep_seconds, parts)
         print("\n".join(r.text() for r in sweep_rows))
         rows += sweep_rows
 
