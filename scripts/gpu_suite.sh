@@ -7,7 +7,7 @@ OUT=${OUT:-bench_results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 parts=${*:-tests kernels seed nano}
-pip install --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
+python -m pip install --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for part in $parts; do

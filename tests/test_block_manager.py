@@ -96,11 +96,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def step(self, data, n):
         req = data.draw(st.sampled_from(self.live))
         if req.num_computed_tokens == req.num_tokens:  # decode: a new token arrives
+            if req.num_tokens == 6 * BLOCK:
+                return  # the block table is full (the engine caps requests at max_model_len)
             req.token_ids.append(data.draw(st.integers(0, 20)))
             n = 1
         n = min(n, req.num_tokens - req.num_computed_tokens)
-        if req.num_tokens > 6 * BLOCK:
-            return
         if self.bm.append_slots(req, n):
             compute(self.bm, req, n)
 
@@ -130,4 +130,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
-TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBlockManagerMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+def test_a_request_longer_than_a_block_table_is_refused_without_side_effects():
+    bm = BlockManager(num_blocks=16, block_size=BLOCK, max_num_seqs=2, max_blocks_per_seq=2)
+    try:
+        bm.allocate_prefix(make_request(0, list(range(9))), 100)
+    except ValueError as exc:
+        assert "more than a block table holds" in str(exc)
+    else:
+        raise AssertionError("expected a ValueError")
+    bm.check_integrity([])

@@ -78,6 +78,9 @@ class BlockManager:
         num_hit_tokens = len(hit_blocks) * self.block_size
         num_new_tokens = min(num_new_tokens, req.num_tokens - num_hit_tokens)
         needed = self.blocks_needed(num_hit_tokens + num_new_tokens) - len(hit_blocks)
+        if self.blocks_needed(req.num_tokens) > self.max_blocks_per_seq:
+            raise ValueError(f"{req.request_id} has {req.num_tokens} tokens, more than a block table holds "
+                             f"({self.max_blocks_per_seq} blocks of {self.block_size})")
         reclaimed = sum(1 for b in hit_blocks if self.ref_counts[b] == 0)  # hits that sit in the free pool
         if needed > self.num_free_blocks - reclaimed or not self._free_rows:
             return False
@@ -105,6 +108,8 @@ class BlockManager:
         needed = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - req.num_blocks
         if needed <= 0:
             return True
+        if req.num_blocks + needed > self.max_blocks_per_seq:
+            raise ValueError(f"{req.request_id} would exceed max_blocks_per_seq={self.max_blocks_per_seq}")
         if needed > self.num_free_blocks:
             return False
         self._grow(req, needed)
@@ -167,8 +172,6 @@ class BlockManager:
             hashes.append(parent)
 
     def _grow(self, req: Request, count: int) -> None:
-        if req.num_blocks + count > self.max_blocks_per_seq:
-            raise RuntimeError(f"{req.request_id} would exceed max_blocks_per_seq={self.max_blocks_per_seq}")
         row = self.block_tables[req.row]
         for i in range(req.num_blocks, req.num_blocks + count):
             row[i] = self._take_free_block()
