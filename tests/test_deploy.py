@@ -192,9 +192,9 @@ def test_wheel_holds_every_package_of_the_source_tree(built_wheel):
 def test_image_installs_the_wheel_that_builds(dockerfile, built_wheel, ray_pin):
     runtime_runs = run_commands(final_stage(dockerfile))
     (install,) = [cmd for cmd in runtime_runs if "roseray-*.whl" in cmd]
-    match = re.search(r"\$\(ls (\S+)\)\[(\w+)\]", install)
-    assert match, f"no `$(ls <wheel glob>)[extra]` install target in: {install}"
-    glob, extra = match.groups()
+    match = re.search(r"\$\(ls (\S+)\)\[\$\{EXTRAS\}\]", install)
+    assert match, f"no `$(ls <wheel glob>)[${{EXTRAS}}]` install target in: {install}"
+    glob = match.group(1)
     # the runtime stage copies the wheel stage's output to the directory it installs from
     copy_from = [args.split() for keyword, args, _ in final_stage(dockerfile) if keyword == "COPY" and "--from=wheel" in args]
     assert copy_from and Path(glob).parent == Path(copy_from[0][-1].rstrip("/")), (glob, copy_from)
@@ -202,7 +202,12 @@ def test_image_installs_the_wheel_that_builds(dockerfile, built_wheel, ray_pin):
     names = [p.name for p in built_wheel["files"]]
     assert len(fnmatch.filter(names, Path(glob).name)) == 1, (glob, names)
     (wheel,) = built_wheel["files"]
-    assert any(f'extra == "{extra}"' in r for r in wheel_requirements(wheel)), f"the wheel has no [{extra}] extra"
+    extras = {m for r in wheel_requirements(wheel) for m in re.findall(r'extra == "([\w-]+)"', r)}
+    default_extras = docker_args(final_stage(dockerfile))["EXTRAS"].split(",")
+    assert "serve" in default_extras
+    guide_extras = [e for found in re.findall(r"EXTRAS=([\w,]+)", GUIDE.read_text()) for e in found.split(",")]
+    for extra in default_extras + guide_extras:
+        assert extra in extras, f"the wheel has no [{extra}] extra"
     assert f'"ray[serve]==${{RAY_VERSION}}"' in install and docker_args(dockerfile)["RAY_VERSION"] == ray_pin
 
 
@@ -250,6 +255,19 @@ def test_dockerfile_bakes_serve_config_and_exposes_its_port(dockerfile):
         if keyword == "COPY" and "--from" not in args:
             for source in args.split()[:-1]:
                 assert (REPO / source).exists(), f"COPY source {source} does not exist"
+
+
+def test_dockerignore_keeps_the_venv_out_and_every_copy_source_in(dockerfile):
+    patterns = [line.strip() for line in (REPO / "deploy" / "Dockerfile.dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert ".venv" in patterns and ".git" in patterns
+    for keyword, args, _ in dockerfile:
+        if keyword == "COPY" and "--from" not in args:
+            for source in args.split()[:-1]:
+                parts = Path(source.rstrip("/")).parts
+                prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+                hits = [p for p in patterns if any(fnmatch.fnmatch(prefix, p) for prefix in prefixes)]
+                assert not hits, f"COPY {source} is excluded from the build context by {hits}"
 
 
 def image_haproxy_dir(env: dict) -> str:
