@@ -196,7 +196,8 @@ def test_image_installs_the_wheel_that_builds(dockerfile, built_wheel, ray_pin):
     assert match, f"no `$(ls <wheel glob>)[${{EXTRAS}}]` install target in: {install}"
     glob = match.group(1)
     # the runtime stage copies the wheel stage's output to the directory it installs from
-    copy_from = [args.split() for keyword, args, _ in final_stage(dockerfile) if keyword == "COPY" and "--from=wheel" in args]
+    copy_from = [args.split() for keyword, args, _ in final_stage(dockerfile)
+                 if keyword == "COPY" and "--from=wheel" in args]
     assert copy_from and Path(glob).parent == Path(copy_from[0][-1].rstrip("/")), (glob, copy_from)
     assert Path(copy_from[0][-2]) == Path(built_wheel["image_dir"]), "COPY --from=wheel copies another directory"
     names = [p.name for p in built_wheel["files"]]
@@ -464,7 +465,8 @@ def test_long_streams_can_finish(rayservice):
     assert spec["upgradeStrategy"]["type"] == "NewCluster"
     assert spec["rayClusterDeletionDelaySeconds"] >= budget, "the old cluster must outlive its streams"
     assert int(env["RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S"]) >= budget, "a HAProxy reload would cut streams"
-    timeout_client = int(env.get("RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S", serve_constants.RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S))
+    default_timeout_client = serve_constants.RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S
+    timeout_client = int(env.get("RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S", default_timeout_client))
     assert timeout_client >= budget
     assert all(app["args"]["drain_timeout_s"] >= budget for app in config["applications"])
     assert env["RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS"] == "1"
