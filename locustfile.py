@@ -413,5 +413,8 @@ def log_summary(summary: dict) -> None:
                  f"output tok/s, failures {summary['failures']['by_status'] or 0}, "
                  f"client CPU-bound: {summary['client']['cpu_bound']}, "
                  f"client timestamps late: {summary['client']['timestamps_late']}")
+    failures = summary["failures"]
+    lines.extend(f"failures: {n} x {reason}" for reason, n in failures["by_reason"].items())
+    lines.extend(f"  e.g. {example}" for example in failures["examples"][:5])
     lines.extend(f"warning: {w}" for w in summary["warnings"])
     logger.info("\n".join(lines))

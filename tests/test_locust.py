@@ -22,7 +22,10 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import numpy as np
 import pytest
 
@@ -247,3 +250,246 @@ def test_request_shapes_depend_only_on_seed_and_index():
     assert resolve_prompt_style("auto", "completions") == "ids" and resolve_prompt_style("auto", "chat") == "words"
     with pytest.raises(ValueError):
         resolve_prompt_style("ids", "chat")
+
+
+# ---- locust against a scripted server: true gaps, and every kind of failure -------------------------------
+GAP_S = 0.02  # the scripted server's pause between tokens
+
+
+class ScriptedServer(BaseHTTPRequestHandler):
+    """Streams one token every GAP_S, as two replicas taking turns; request i (in arrival
+    order) answers 429 when i % 10 == 3, cuts its stream after two tokens when i % 10 == 6,
+    and sends [DONE] without a token when i % 10 == 8."""
+
+    protocol_version = "HTTP/1.1"
+    counter = itertools.count()
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        i = next(self.counter)
+        if i % 10 == 3:
+            error = json.dumps({"error": {"message": "queue full", "type": "rate_limit_error"}}).encode()
+            self.send_response(429)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(error)))
+            self.end_headers()
+            self.wfile.write(error)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("x-roseray-replica", f"scripted-{i % 2}")
+        self.end_headers()
+        n = 0 if i % 10 == 8 else body["max_tokens"]
+        for k in range(1, n + 1):
+            time.sleep(GAP_S)
+            self.send_chunk(chunk("t", k, finish="length" if k == n else None))
+            if i % 10 == 6 and k == 2:
+                self.close_connection = True
+                return  # no terminating chunk: the client sees the body end early
+        self.send_chunk(final_usage(n) + DONE)
+        self.wfile.write(b"0\r\n\r\n")
+
+    def send_chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+
+def test_locust_measures_true_gaps_and_reports_every_failure(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        run = LocustRun(f"http://127.0.0.1:{server.server_address[1]}", tmp_path, "-u", "8", "-r", "8", "-t", "3s",
+                        "--request-rate", "8", "--output-tokens", "4:8", "--prompt-tokens", "4").wait()
+    finally:
+        server.shutdown()
+    assert run.returncode == 1, run.output[-3000:]  # locust's exit code when requests failed
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    requests, failures = summary["requests"], summary["failures"]
+    assert requests["sent"] == requests["succeeded"] + requests["failed"] >= 15, requests
+    assert set(failures["by_reason"]) == {"429 HTTP 429", "200 stream cut", "200 no content"}, failures
+    assert set(summary["replicas"]) == {"scripted-0", "scripted-1"}
+    itl = summary["total"]["itl_ms"]
+    # every gap is one server pause: a client that buffered the body would see gaps of ~0
+    assert GAP_S * 1e3 * 0.8 < itl["p50"] < GAP_S * 1e3 * 2.5, itl
+    assert summary["total"]["tokens_per_chunk"]["max"] == 1
+    ttft = summary["total"]["ttft_ms"]
+    assert ttft["min"] > GAP_S * 1e3 * 0.8, ttft
+
+
+# ---- end to end: locust against the Ray Serve app -------------------------------------------------------
+APP = "roseray"
+ENGINE = {"model": "random:tiny", "max_num_seqs": 16, "max_waiting_requests": 64, "max_model_len": 512,
+          "num_kv_blocks": 256, "block_size": 16}
+LOAD = ["-u", "16", "-r", "16", "-t", "8s", "--request-rate", "3", "--prompt-tokens", "16:48",
+        "--output-tokens", "8:24", "--seed", "1", "--save-samples", "on", "--drain-timeout", "10"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cluster(cfg: dict) -> None:
+    """The subprocess side: a local Ray cluster in HAProxy mode with two engine replicas."""
+    import ray
+    from ray import serve
+
+    from roseray.serve.app import build_app
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             _temp_dir=cfg["ray_tmp"])
+    serve.start(http_options={"host": "127.0.0.1", "port": cfg["port"]},
+                logging_config={"log_level": "WARNING", "enable_access_log": False})
+    serve.run(build_app({"engine": ENGINE, "num_replicas": 2, "num_cpus_per_replica": 1, "drain_timeout_s": 1}),
+              name=APP, route_prefix="/")
+    print("READY", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_app():
+    from roseray.serve.haproxy_env import haproxy_env
+
+    state_dir = tempfile.mkdtemp(prefix="rrlh", dir="/tmp")  # short: HAProxy's unix socket paths
+    ray_tmp = tempfile.mkdtemp(prefix="rrlt", dir="/tmp")
+    port = free_port()
+    env = {**os.environ, **haproxy_env(state_dir),
+           "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    env.pop("RAY_ADDRESS", None)
+    log = open(os.path.join(ray_tmp, "cluster.log"), "w+")
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps({"port": port, "ray_tmp": ray_tmp})],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+    lines = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 150
+        while "READY\n" not in lines:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                pytest.fail(f"the Ray Serve app did not start:\n{log.read()[-5000:]}")
+            time.sleep(0.2)
+        wait_for_both_replicas(url, deadline)
+        yield url
+    finally:
+        with contextlib.suppress(Exception):
+            proc.stdin.close()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+def wait_for_both_replicas(url: str, deadline: float) -> None:
+    """HAProxy learns the routes a little after serve.run returns: send small bursts until
+    both replicas have answered."""
+    def one(_):
+        with contextlib.suppress(httpx.HTTPError):
+            response = httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 16,
+                                                                 "ignore_eos": True}, timeout=10)
+            if response.status_code == 200:
+                return response.headers.get("x-roseray-replica")
+        return None
+
+    seen = set()
+    with ThreadPoolExecutor(4) as pool:
+        while len(seen - {None}) < 2:
+            assert time.monotonic() < deadline, f"requests did not reach both replicas (saw {seen})"
+            seen.update(pool.map(one, range(4)))
+            time.sleep(0.2)
+
+
+class LocustRun:
+    """A headless locust run in a subprocess, writing into `out_dir`."""
+
+    def __init__(self, url: str, out_dir, *load: str) -> None:
+        self.out_dir = out_dir
+        command = [sys.executable, "-m", "locust", "-f", os.path.join(REPO, "locustfile.py"), "--headless", "-H",
+                   url, "--report-dir", str(out_dir), "--csv", str(out_dir / "locust"), "--only-summary", *load]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(command, cwd=out_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait(self) -> "LocustRun":
+        self.output, _ = self.proc.communicate(timeout=60)
+        self.returncode = self.proc.returncode
+        self.wall_s = time.monotonic() - self.started
+        return self
+
+
+@pytest.fixture(scope="module")
+def locust_runs(ray_app, tmp_path_factory):
+    """One single-process run and one --processes 2 run, side by side (CI time)."""
+    runs = {"single": LocustRun(ray_app, tmp_path_factory.mktemp("single"), *LOAD),
+            "processes": LocustRun(ray_app, tmp_path_factory.mktemp("processes"), *LOAD, "--processes", "2")}
+    return {name: run.wait() for name, run in runs.items()}
+
+
+def locust_rows(out_dir) -> dict:
+    """(type, name) -> request count, from locust's own stats CSV."""
+    with open(out_dir / "locust_stats.csv") as f:
+        return {(row["Type"], row["Name"]): int(row["Request Count"]) for row in csv.DictReader(f)}
+
+
+def check_run(run: LocustRun) -> dict:
+    out_dir = run.out_dir
+    assert run.returncode == 0, run.output[-4000:]
+    assert run.wall_s < 20, f"the locust run took {run.wall_s:.1f} s"
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["failures"]["total"] == 0, summary["failures"]
+    assert summary["requests"]["succeeded"] == summary["requests"]["sent"] > 10, summary["requests"]
+    replicas = sorted(summary["replicas"])
+    assert len(replicas) == 2 and all(name.startswith("Engine#") for name in replicas), replicas
+    samples = np.load(out_dir / "samples.npz")
+    rows = locust_rows(out_dir)
+    for name in replicas:
+        m = summary["replicas"][name]
+        assert m["requests"] > 0
+        for metric in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+            assert m[metric]["count"] > 0 and m[metric]["p50"] > 0 and m[metric]["min"] >= 0, (name, metric)
+        ttft, e2e = samples[f"{name}/ttft"], samples[f"{name}/e2e"]
+        itl, output = samples[f"{name}/itl"], samples[f"{name}/output_tokens"]
+        assert (ttft > 0).all() and (ttft < e2e).all() and (e2e < 60).all()
+        assert itl.max() < e2e.max() and itl.sum() == pytest.approx((e2e - ttft).sum())
+        # tokens: every output has its ignore_eos length, and the chunks carried exactly usage's count
+        assert ((output >= 8) & (output <= 24)).all()
+        assert samples[f"{name}/chunk_tokens"].sum() == output.sum() == m["output_tokens"]
+        assert ((samples[f"{name}/prompt_tokens"] >= 16) & (samples[f"{name}/prompt_tokens"] <= 48)).all()
+        # locust saw one event per request and per ITL gap, per replica
+        assert rows[("TTFT", name)] == rows[("E2E", name)] == m["requests"]
+        assert rows[("ITL", name)] == m["itl_ms"]["count"] and rows[("TPOT", name)] == m["tpot_ms"]["count"]
+    assert rows[("ITL", "all replicas")] == summary["total"]["itl_ms"]["count"]
+    assert rows[("POST", "/v1/completions")] == summary["requests"]["sent"]
+    assert summary["throughput"]["output_tokens_per_s"] > 0 and summary["request_rate"]["sent_per_s"] > 1
+    for name in ("itl_cdf", "itl_over_time"):
+        with open(summary["files"][name], "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    return summary
+
+
+@pytest.mark.ray
+def test_headless_locust_against_two_ray_replicas(locust_runs):
+    summary = check_run(locust_runs["single"])
+    assert summary["client"]["workers"] is None and len(summary["client"]["processes"]) == 1
+
+
+@pytest.mark.ray
+def test_locust_processes_merge_their_samples(locust_runs):
+    summary = check_run(locust_runs["processes"])
+    assert summary["client"]["workers"]["reported"] == 2 and not summary["client"]["workers"]["missing"]
+    assert [p["process"] for p in summary["client"]["processes"]][0] == "master"
+    assert len(summary["client"]["processes"]) == 3
+
+
+if __name__ == "__main__":
+    run_cluster(json.loads(sys.argv[1]))
