@@ -57,6 +57,7 @@ class LLMEngine:
                                           self.runner.max_blocks_per_seq, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler(seed=config.seed)
+        self.runner.warm_up()
         self.runner.capture_cuda_graphs()
         eos = self.model_config.eos_token_ids or [self.tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(t for t in eos if t is not None)

@@ -124,18 +124,41 @@ class ModelRunner:
         softmax for max_num_seqs rows: the activation peak the cache must leave room for."""
         num_tokens = self.config.max_num_batched_tokens
         seq_lens = [min(self.max_model_len, num_tokens - i) for i in range(0, num_tokens, self.max_model_len)]
-        qsl = torch.tensor([0] + np.cumsum(seq_lens).tolist(), dtype=torch.int32, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int32, device=self.device),
-            query_start_loc=qsl, seq_lens=qsl[1:] - qsl[:-1],
-            block_tables=torch.zeros((len(seq_lens), 1), dtype=torch.int32, device=self.device),
-            max_query_len=max(seq_lens), max_seq_len=max(seq_lens), num_seqs=len(seq_lens), block_size=self.block_size)
-        input_ids = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in seq_lens]).int()
-        with attention_metadata(meta):
-            hidden = self.model(input_ids, positions)
+        hidden = self._dummy_forward(seq_lens, seq_lens)
         rows = hidden[-1:].expand(self.max_num_seqs, -1)
         torch.softmax(self.model.compute_logits(rows), dim=-1)
+
+    def _dummy_forward(self, query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+        """A forward of made-up sequences that writes nothing to the KV cache (every slot
+        is -1); with a cache bound, attention reads block 0 onwards, which holds no request."""
+        num_tokens, d = sum(query_lens), self.device
+        qsl = torch.tensor([0] + np.cumsum(query_lens).tolist(), dtype=torch.int32, device=d)
+        num_block_cols = max(1, (max(seq_lens) + self.block_size - 1) // self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int32, device=d), query_start_loc=qsl,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=d),
+            block_tables=torch.zeros((len(seq_lens), num_block_cols), dtype=torch.int32, device=d),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), num_seqs=len(seq_lens),
+            block_size=self.block_size)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int32, device=d)
+        positions = torch.cat([torch.arange(s - q, s, device=d) for q, s in zip(query_lens, seq_lens)]).int()
+        with attention_metadata(meta):
+            return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run prefill, mixed and decode batches through the paged path once, so that
+        kernels are compiled before the first request rather than during it."""
+        if self.device.type != "cuda":
+            return
+        started = time.perf_counter()
+        budget = min(self.config.max_num_batched_tokens, self.max_model_len)
+        long_len = max(1, min(budget // 2, self.max_model_len - 1))
+        self._dummy_forward([long_len, 17, 3], [long_len, 17, 3])  # prefill only
+        self._dummy_forward([1, 1, 5, long_len // 2], [40, 300, 5 + 33, long_len])  # decodes + chunks on a prefix
+        self._dummy_forward([1] * 5, [1, 17, 100, 1000 % self.max_model_len + 1, 7])  # decode, eager
+        torch.cuda.synchronize(self.device)
+        logger.info("kernels warmed up in %.1f s", time.perf_counter() - started)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         mc = self.model_config
