@@ -97,11 +97,17 @@ class Sampler:
         self._prompt_cache = PromptTokenCache()
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        return self.launch(logits, requests).result()
+
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> "PendingSample":
+        """Sample on the device and start the copy of the results to the host; nothing
+        waits for the GPU until `PendingSample.result()`."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [len(requests)={len(requests)}, vocab], got {tuple(logits.shape)}")
         params = BatchParams.from_requests(requests, logits.shape[1])
         if params.is_plain_greedy:
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist())
+            token_ids = logits.argmax(dim=-1)
+            return PendingSample(token_ids, token_ids, None, params)
         raw_logprobs = _raw_logprobs(logits, params.logprob_rows)  # [num_logprob_rows, V] or None
         logits = logits.to(torch.float32, copy=True)  # [B, V], modified in place from here
         if params.penalty_rows:
@@ -110,7 +116,8 @@ class Sampler:
         if params.min_tokens_rows:
             mask_min_tokens(logits, [requests[i] for i in params.min_tokens_rows], params.min_tokens_rows)
         token_ids = self._sample(logits, requests, params)  # [B] int64
-        return _to_host(token_ids, raw_logprobs, params)
+        packed, max_top_n = _pack(token_ids, raw_logprobs, params)
+        return PendingSample(token_ids, packed, max_top_n, params)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], params: BatchParams) -> torch.Tensor:
         if params.all_greedy:
@@ -297,18 +304,46 @@ def _raw_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
     return logits.index_select(0, row_index).to(torch.float32).log_softmax(dim=-1)  # [R, V]
 
 
-def _to_host(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, params: BatchParams) -> SamplerOutput:
-    """One device->host copy: token ids, and for logprob rows the sampled and top-N logprobs,
-    packed into one float64 tensor (exact for token ids and float32 logprobs)."""
+class PendingSample:
+    """Sampled token ids on the device (`token_ids`, for the next step's inputs) and
+    their copy on the way to the host; `result()` waits for that copy only."""
+
+    def __init__(self, token_ids: torch.Tensor, packed: torch.Tensor, max_top_n: int | None,
+                 params: BatchParams) -> None:
+        self.token_ids = token_ids  # [B] int64, on the device
+        self._max_top_n, self._params = max_top_n, params
+        if packed.is_cuda:
+            self._host = packed.to("cpu", non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = packed, None
+
+    def result(self) -> SamplerOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        values = self._host.tolist()
+        if self._max_top_n is None:
+            return SamplerOutput(token_ids=values)
+        return _unpack(values, self._params, self._max_top_n)
+
+
+def _pack(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, params: BatchParams):
+    """Everything the host needs in one tensor: token ids, and for logprob rows the sampled
+    and top-N logprobs, packed into float64 (exact for token ids and float32 logprobs)."""
     if raw_logprobs is None:
-        return SamplerOutput(token_ids=token_ids.tolist())
-    batch_size, num_rows = token_ids.shape[0], len(params.logprob_rows)
+        return token_ids, None
     max_top_n = min(max(params.num_logprobs), raw_logprobs.shape[1])
     row_index = _to_device(params.logprob_rows, torch.int64, token_ids.device)
     sampled = raw_logprobs.gather(1, token_ids.index_select(0, row_index).unsqueeze(1)).squeeze(1)  # [R]
     top_values, top_token_ids = raw_logprobs.topk(max_top_n, dim=-1)  # [R, max_top_n], descending
     packed = torch.cat([token_ids.double(), sampled.double(),
-                        top_values.double().flatten(), top_token_ids.double().flatten()]).tolist()
+                        top_values.double().flatten(), top_token_ids.double().flatten()])
+    return packed, max_top_n
+
+
+def _unpack(packed: list[float], params: BatchParams, max_top_n: int) -> SamplerOutput:
+    batch_size, num_rows = len(params.is_greedy), len(params.logprob_rows)
     token_id_list = [int(t) for t in packed[:batch_size]]
     sampled_list = packed[batch_size:batch_size + num_rows]
     values_start = batch_size + num_rows
