@@ -90,6 +90,7 @@ class Run:
         self.monitor = ClientMonitor("local")
         self.options = None
         self.workload: Workload | None = None
+        self.extra_body: dict = {}
         self.arrivals: PoissonArrivals | ClosedLoopIndex | None = None
         self.plan = {"slot": 0, "num_slots": 1, "t0": time.time()}
         self.measure_start = 0.0
@@ -109,14 +110,15 @@ class Run:
                                  style, parse_range(options.token_ids, minimum=0))
         if options.request_rate <= 0 or options.drain_timeout < 0 or options.warmup < 0:
             raise ValueError("--request-rate must be > 0, --drain-timeout and --warmup >= 0")
-        if options.extra_body and not isinstance(json.loads(options.extra_body), dict):
+        self.extra_body = json.loads(options.extra_body) if options.extra_body else {}
+        if not isinstance(self.extra_body, dict):
             raise ValueError("--extra-body must be a JSON object")
         slot, n = self.plan["slot"], self.plan["num_slots"]
         self.arrivals = (PoissonArrivals(options.request_rate, options.seed, slot, n) if options.arrival == "poisson"
                          else ClosedLoopIndex(slot, n))
         self.measure_start = self.plan["t0"] + options.warmup
         self.book = SampleBook()
-        self.draining, self.in_flight, self.final_sent = False, 0, False
+        self.draining, self.in_flight, self.final_sent, self.stopping_at = False, 0, False, 0.0
 
     def claim(self) -> tuple[int, float | None]:
         """The next request index of this process and its due wall time (None: closed loop)."""
@@ -139,7 +141,7 @@ RUN = Run()
 def options_record(options) -> dict:
     names = ("api", "model", "arrival", "request_rate", "prompt_style", "ignore_eos", "temperature",
              "continuous_usage", "seed", "warmup", "drain_timeout", "extra_body", "num_users", "spawn_rate",
-             "run_time", "processes", "host")
+             "run_time", "processes", "host", "token_ids", "read_timeout")
     record = {name: getattr(options, name, None) for name in names}
     record["prompt_tokens"] = list(parse_range(options.prompt_tokens))
     record["output_tokens"] = list(parse_range(options.output_tokens))
@@ -147,7 +149,7 @@ def options_record(options) -> dict:
     return record
 
 
-def request_body(shape, options) -> dict:
+def request_body(shape, options, extra_body: dict) -> dict:
     body = {"max_tokens": shape.output_tokens, "stream": True, "temperature": options.temperature,
             "ignore_eos": options.ignore_eos == "on",
             "stream_options": {"include_usage": True, "continuous_usage_stats": options.continuous_usage == "on"}}
@@ -157,8 +159,7 @@ def request_body(shape, options) -> dict:
         body["prompt"] = shape.prompt
     if options.model:
         body["model"] = options.model
-    if options.extra_body:
-        body.update(json.loads(options.extra_body))
+    body.update(extra_body)
     return body
 
 
@@ -206,7 +207,7 @@ class OpenAIStreamUser(HttpUser):
         headers = {"Content-Type": "application/json"}
         if options.api_key:
             headers["Authorization"] = f"Bearer {options.api_key}"
-        payload = json.dumps(request_body(shape, options), separators=(",", ":")).encode()
+        payload = json.dumps(request_body(shape, options, RUN.extra_body), separators=(",", ":")).encode()
         sent_at = time.time()
         measured = sent_at >= RUN.measure_start
         if measured:
@@ -264,8 +265,8 @@ def monitor_loop(environment) -> None:
     while True:
         t = time.perf_counter()
         gevent.sleep(MONITOR_PERIOD_S)
-        if RUN.options is None or RUN.final_sent:
-            continue
+        if RUN.options is None or RUN.final_sent or time.time() < RUN.measure_start:
+            continue  # measured: from the start of measurement to this process's end
         RUN.monitor.loop_lag.append(max(0.0, time.perf_counter() - t - MONITOR_PERIOD_S))
         i += 1
         if i % 10 == 0:

@@ -3,16 +3,19 @@ load_shape, locust_report, locust_plots).
 
 Unit tests: SSE parsing and per-request timing on byte strings with a fake clock (cut and
 empty streams are failures), the sample book's merge across processes, the summary's
-percentiles, the arrival schedule and request shapes. End to end: headless locust runs
-(one process, and --processes 2) against the Ray Serve app with two CPU replicas of
-random:tiny, started from this file like tests/test_serve_e2e.py starts its cluster.
+percentiles, the arrival schedule and request shapes. End to end: a headless locust run
+against a scripted SSE server (known gaps between tokens, and a 429, a cut stream and an
+empty stream among the answers), and headless runs (one process, and --processes 2) against
+the Ray Serve app with two CPU replicas of random:tiny, started from this file the way
+tests/test_serve_e2e.py starts its cluster.
 
 locust monkey-patches the standard library (gevent) when imported, so it only ever runs
 in a subprocess here; this module never imports it.
 """
 
-import csv
 import contextlib
+import csv
+import importlib.util
 import itertools
 import json
 import os
@@ -31,10 +34,14 @@ import pytest
 
 from roseray.bench import sse_stream
 from roseray.bench.load_shape import ClosedLoopIndex, PoissonArrivals, Workload, parse_range, resolve_prompt_style
-from roseray.bench.locust_report import SampleBook, client_verdict, summarize, write_report
 from roseray.bench.sse_stream import StreamResult, read_stream, sse_events
 
+pytest.importorskip("matplotlib", reason="the bench extra (locust, matplotlib) is not installed")
+from roseray.bench.locust_report import SampleBook, client_verdict, summarize, table, write_report  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_locust = pytest.mark.skipif(importlib.util.find_spec("locust") is None,
+                                  reason="the bench extra (locust) is not installed")
 
 
 # ---- SSE and per-request timing ---------------------------------------------------------------------
@@ -204,6 +211,9 @@ def test_summary_percentiles_are_exact_over_every_sample(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["total"]["itl_ms"]["count"] == itl_ms.size
     for name in ("itl_cdf", "itl_over_time"):
         assert open(written["files"][name], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    rows = table([written], per_replica=True).splitlines()
+    assert len(rows) == 2 + 3 and rows[3].split(" | ")[1] == "A"
+    assert rows[2].split(" | ")[7] == f"{np.percentile(itl_ms, 50):.2f}"  # the ITL p50 column
 
 
 def test_client_verdict_names_a_busy_process_and_late_timestamps():
@@ -298,6 +308,7 @@ class ScriptedServer(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+@needs_locust
 def test_locust_measures_true_gaps_and_reports_every_failure(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -477,12 +488,14 @@ def check_run(run: LocustRun) -> dict:
     return summary
 
 
+@needs_locust
 @pytest.mark.ray
 def test_headless_locust_against_two_ray_replicas(locust_runs):
     summary = check_run(locust_runs["single"])
     assert summary["client"]["workers"] is None and len(summary["client"]["processes"]) == 1
 
 
+@needs_locust
 @pytest.mark.ray
 def test_locust_processes_merge_their_samples(locust_runs):
     summary = check_run(locust_runs["processes"])

@@ -8,10 +8,15 @@ one in. `summarize()` computes the report; `write_report()` writes summary.json 
 plots (roseray.bench.locust_plots). Times are wall-clock seconds (time.time()), so that
 samples from several processes line up; durations are seconds inside, milliseconds in
 the report.
+
+    python -m roseray.bench.locust_report runs/*/summary.json [--per-replica]
+
+prints the runs side by side as a markdown table (a request-rate sweep: find the knee).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -308,3 +313,53 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+# ---- comparing runs: python -m roseray.bench.locust_report runs/*/summary.json ---------------------------
+_COLUMNS = (("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"), ("ITL p50", "itl_ms", "p50"),
+            ("ITL p99", "itl_ms", "p99"), ("ITL p99.9", "itl_ms", "p99.9"), ("TPOT p50", "tpot_ms", "p50"),
+            ("TPOT p99", "tpot_ms", "p99"), ("E2E p99", "e2e_ms", "p99"))
+
+
+def table(summaries: list[dict[str, Any]], per_replica: bool = False) -> str:
+    """A markdown table of runs (e.g. a sweep of the request rate), one row per run and,
+    with `per_replica`, one more per replica. Latencies in ms; req/s: sent (all), or
+    succeeded (a replica)."""
+    head = ["run", "replica", "target req/s", "req/s", "out tok/s", *[c[0] for c in _COLUMNS],
+            "ITL p99/p50", "failed", "client"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summaries:
+        groups = [("all", s["total"])] + (list(s["replicas"].items()) if per_replica else [])
+        client = ("CPU-bound" if s["client"]["cpu_bound"] else "") + \
+            (" late timestamps" if s["client"].get("timestamps_late") else "")
+        for name, m in groups:
+            cells = [f"{m[metric][q]:.2f}" if m.get(metric) else "-" for _, metric, q in _COLUMNS]
+            itl = m.get("itl_ms")
+            ratio = f"{itl['p99'] / itl['p50']:.2f}" if itl and itl["p50"] > 0 else "-"
+            target, window = s["request_rate"]["target"], s["window"]
+            rate = s["request_rate"]["sent_per_s"] if name == "all" else m["requests"] / window["sending_s"]
+            tokens_per_s = m["output_tokens"] / max(window["last_finish"] - window["start"], 1e-9)
+            lines.append("| " + " | ".join([
+                s.get("files", {}).get("summary", "?"), name, "closed" if target is None else f"{target:g}",
+                f"{rate:.2f}", f"{tokens_per_s:.0f}", *cells,
+                ratio, str(s["failures"]["total"]), client.strip() or "ok"]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m roseray.bench.locust_report",
+                                     description="tabulate the summary.json files of locust runs (markdown)")
+    parser.add_argument("summaries", nargs="+", help="summary.json files, e.g. runs/*/summary.json")
+    parser.add_argument("--per-replica", action="store_true", help="a row per replica as well")
+    args = parser.parse_args(argv)
+    summaries = []
+    for path in args.summaries:
+        with open(path) as f:
+            summaries.append(json.load(f))
+    summaries.sort(key=lambda s: (s["request_rate"]["target"] is None, s["request_rate"]["target"] or 0))
+    print(table(summaries, args.per_replica))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -184,9 +184,9 @@ class StreamTimer:
             return r.fail(NO_FINISH, f"no chunk carried a finish_reason ({n} content chunks)")
         if self.expect_usage and r.completion_tokens is None:
             return r.fail(NO_USAGE, "no usage chunk before [DONE] (stream_options.include_usage)")
-        if r.chunk_tokens is not None and r.completion_tokens is not None and sum(r.chunk_tokens) != r.completion_tokens:
-            return r.fail(TOKEN_MISMATCH, f"chunks carried {sum(r.chunk_tokens)} tokens, usage says "
-                                          f"{r.completion_tokens}")
+        carried = sum(r.chunk_tokens) if r.chunk_tokens is not None else None
+        if carried is not None and r.completion_tokens is not None and carried != r.completion_tokens:
+            return r.fail(TOKEN_MISMATCH, f"chunks carried {carried} tokens, usage says {r.completion_tokens}")
         if self.expected_tokens is not None and r.completion_tokens is not None \
                 and r.completion_tokens != self.expected_tokens:
             return r.fail(SHORT_OUTPUT, f"{r.completion_tokens} of {self.expected_tokens} tokens with ignore_eos "
