@@ -47,6 +47,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024  # queue limit per engine (serving returns 429 past it)
     max_logprobs: int = 20
     cuda_graph_max_batch_size: int = 512
+    async_scheduling: bool | None = None  # overlap host work with the GPU (default: on for CUDA)
     revision: str | None = None
     trust_remote_code: bool = False
 

@@ -142,3 +142,47 @@ def test_failing_forward_ends_requests_with_error_and_engine_recovers():
     while engine.has_unfinished_requests():
         deltas = engine.step()
     assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 5
+
+
+def test_overlapped_steps_give_the_same_outputs():
+    """With async scheduling the host processes step N while step N+1 runs; outputs,
+    texts and finish reasons must equal the step-by-step engine's, stops included."""
+    base = LLM("random:tiny", device="cpu", block_size=4, num_kv_blocks=40, max_num_batched_tokens=16)
+    probe = base.generate([[9, 8, 7]], greedy(12), use_tqdm=False)[0].outputs[0]
+    prompts = [[9, 8, 7], list(range(1, 30)), [5] * 11, [42], list(range(100, 140)), [7, 7]]
+    params = [
+        greedy(12, stop_token_ids=[probe.token_ids[4]]),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=20, ignore_eos=True, logprobs=2),
+        greedy(9, stop=[probe.text[5:7]] if len(probe.text) > 7 else None),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=15, min_tokens=5, ignore_eos=True),
+        greedy(30),
+        SamplingParams(temperature=0.0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True),
+    ]
+    results = []
+    for overlap in (False, True):
+        llm = LLM("random:tiny", device="cpu", block_size=4, num_kv_blocks=40, max_num_batched_tokens=16,
+                  async_scheduling=overlap)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.check_integrity()
+        assert llm.engine.block_manager.num_free_blocks == 40
+        results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                         o.outputs[0].logprobs) for o in outs])
+    assert results[0] == results[1]
+    assert results[1][0][2] == "stop" and results[1][4][2] == "length"
+
+
+def test_abort_while_a_step_is_in_flight():
+    engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", block_size=4, num_kv_blocks=32,
+                                    async_scheduling=True))
+    engine.add_request("a", [1, 2, 3], greedy(50))
+    engine.add_request("b", [4, 5, 6], greedy(5))
+    engine.step()  # launches the prefill; its tokens are still in flight
+    engine.abort_request("a")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            if d.finished:
+                finished[d.request_id] = (d.finish_reason, d.num_output_tokens)
+    assert finished == {"a": ("abort", 0), "b": ("length", 5)}
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == 32

@@ -41,7 +41,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
 def run(path, batch, **engine_args):
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, **engine_args)
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, async_scheduling=True, **engine_args)
     outputs = llm.generate(batch, GREEDY, use_tqdm=False)
     llm.engine.check_integrity()
     return llm, [o.outputs[0].token_ids for o in outputs]
@@ -72,7 +72,8 @@ def test_prefix_caching_with_shared_prefixes(tiny_model):
     _, path, hf = tiny_model
     shared = prompts(1, 13, 13, seed=3)[0]
     batch = [shared + tail for tail in prompts(4, 1, 6, seed=4)]
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, enable_prefix_caching=True)
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, enable_prefix_caching=True,
+              async_scheduling=True)
     first = [o.outputs[0].token_ids for o in llm.generate(batch[:1], GREEDY, use_tqdm=False)]
     rest = [o.outputs[0].token_ids for o in llm.generate(batch[1:], GREEDY, use_tqdm=False)]
     stats = llm.engine.get_stats()

@@ -133,10 +133,12 @@ class BlockManager:
         req.num_blocks = 0
         req.num_committed_blocks = 0
 
-    def commit_full_blocks(self, req: Request) -> None:
-        """Hash the blocks that this step filled and publish them in the prefix cache."""
-        num_full = req.num_computed_tokens // self.block_size
-        if not self.enable_prefix_caching or num_full <= req.num_committed_blocks:
+    def commit_full_blocks(self, req: Request, num_known_tokens: int | None = None) -> None:
+        """Hash the blocks that are full of computed tokens and publish them in the prefix
+        cache; `num_known_tokens` caps them to the tokens whose ids the host knows."""
+        num_full = req.num_computed_tokens if num_known_tokens is None else min(req.num_computed_tokens, num_known_tokens)
+        num_full //= self.block_size
+        if not self.enable_prefix_caching or num_full <= req.num_committed_blocks or req.row < 0:
             return
         self._extend_hashes(req, num_full)
         row = self.block_tables[req.row]

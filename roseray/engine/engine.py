@@ -16,14 +16,25 @@ from roseray.config import EngineConfig
 from roseray.engine.block_manager import BlockManager
 from roseray.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from roseray.engine.model_runner import ModelRunner
-from roseray.engine.request import FINISH_REASONS, Request, RequestDelta, RequestStatus
+from roseray.engine.request import FINISH_REASONS, PLACEHOLDER, Request, RequestDelta, RequestStatus
 from roseray.engine.sampler import Sampler
-from roseray.engine.scheduler import Scheduler
+from roseray.engine.sampler import PendingSample
+from roseray.engine.scheduler import Scheduler, SchedulerOutput
 from roseray.models.loader import load_model, load_model_config
 from roseray.sampling_params import SamplingParams
 from roseray.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A launched step whose sampled tokens the host has not processed yet."""
+
+    requests: list[Request]  # every request the step computed tokens for
+    sampling: list[Request]  # those that sample a token, in row order
+    output_index: list[int]  # where each sampled token goes in its request's output
+    sample: PendingSample
 
 
 @dataclass
@@ -55,7 +66,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.max_num_seqs,
                                           self.runner.max_blocks_per_seq, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
         self.sampler = Sampler(seed=config.seed)
         self.runner.warm_up()
         self.runner.capture_cuda_graphs()
@@ -64,6 +76,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._pending_deltas: list[RequestDelta] = []  # aborts to report on the next step
         self.last_error: BaseException | None = None
+        self.overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self._in_flight: InFlightStep | None = None
+        self._num_penalty_requests = 0  # running requests whose sampling needs host-side history
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._log_startup(time.perf_counter() - started)
@@ -123,6 +138,8 @@ class LLMEngine:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, sampling_params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req)
+        if sampling_params.needs_penalties:
+            self._num_penalty_requests += 1
         self.prompt_tokens_total += len(token_ids)
         return req
 
@@ -143,33 +160,70 @@ class LLMEngine:
         self._pending_deltas.append(self._delta(req, [], "", None, True))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_deltas)
+        return bool(self.requests) or bool(self._pending_deltas) or self._in_flight is not None
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        """Schedule and launch the next batch, then process the results of the batch
+        launched before it. With overlap on, the GPU runs batch N+1 while the host turns
+        batch N's tokens into text and stop decisions; off, each batch is processed right
+        after its own launch."""
         deltas, self._pending_deltas = self._pending_deltas, []
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and not self._can_overlap():
+            deltas += self._process(in_flight)
+            in_flight = None
         batch = self.scheduler.schedule()
-        if not batch:
-            return deltas
+        launched = self._launch(batch, in_flight, deltas) if batch else None
+        if in_flight is not None:
+            deltas += self._process(in_flight)
+        if launched is not None and not self._can_overlap():
+            deltas += self._process(launched)
+            launched = None
+        self._in_flight = launched
+        return deltas
+
+    def _can_overlap(self) -> bool:
+        # Penalties need every sampled token on the host before the next sample.
+        return self.overlap and self._num_penalty_requests == 0
+
+    def _launch(self, batch: SchedulerOutput, in_flight: "InFlightStep | None",
+                deltas: list[RequestDelta]) -> "InFlightStep | None":
+        """Forward and sample `batch` on the device; advance every request as if its new
+        token had arrived (a PLACEHOLDER until the results are processed)."""
         try:
-            logits, sample_mask = self.runner.run(batch, self.block_manager)
+            logits, sample_mask = self.runner.run(batch, self.block_manager,
+                                                  in_flight.sample.token_ids if in_flight else None)
             sampling = [r for r, m in zip(batch.requests, sample_mask.tolist()) if m]
-            sampled = self.sampler(logits, sampling)
+            sample = self.sampler.launch(logits, sampling)
         except Exception as exc:  # the model or sampler failed: end this step's requests, keep the engine
             logger.exception("engine step failed; finishing its %d requests with an error", len(batch))
             self.last_error = exc
-            return deltas + self._fail(batch.requests)
-
-        commit = self.block_manager.commit_full_blocks
+            deltas += self._fail(batch.requests)
+            return None
         for req, num_new in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += num_new
-            commit(req)
+        output_index = []
+        for row, req in enumerate(sampling):
+            req.sample_row = row
+            req.num_pending += 1
+            output_index.append(len(req.output_token_ids))
+            req.token_ids.append(PLACEHOLDER)
+            req.output_token_ids.append(PLACEHOLDER)
+        return InFlightStep(batch.requests, sampling, output_index, sample)
+
+    def _process(self, step: "InFlightStep") -> list[RequestDelta]:
+        """Turn a launched step's sampled tokens into request updates and deltas."""
+        sampled = step.sample.result()
         now = time.monotonic()
-        finished, statuses = [], []
+        deltas, finished, statuses = [], [], []
         logprobs = sampled.logprobs
-        for i, (req, token) in enumerate(zip(sampling, sampled.token_ids)):
-            req.token_ids.append(token)
-            req.output_token_ids.append(token)
+        for i, (req, token, index) in enumerate(zip(step.sampling, sampled.token_ids, step.output_index)):
+            if req.is_finished:
+                continue  # aborted or stopped while this step ran: its token is dropped
+            req.num_pending -= 1
+            req.output_token_ids[index] = token
+            req.token_ids[req.num_prompt_tokens + index] = token
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
@@ -178,33 +232,36 @@ class LLMEngine:
                 new_logprobs = [logprobs[i]]
                 req.logprobs.append(logprobs[i])
                 req.cumulative_logprob += logprobs[i].get(token, 0.0)
-            status = self._check_stop(req, token)
+            status = self._check_stop(req, token, index + 1)
             new_text = req.detokenizer.step([token]) if req.detokenizer is not None else ""
             if new_text and req.sampling_params.stop:
                 new_text, status = self._check_stop_strings(req, new_text, status)
             elif new_text:
                 req.output_text += new_text
-            if status is not None:
+            if status is not None:  # a token launched after the stop is dropped by _finalize
                 finished.append(req)
                 statuses.append(status)
                 self._finalize(req, status)
             deltas.append(self._delta(req, [token], new_text, new_logprobs, status is not None))
-        self.generation_tokens_total += len(sampling)
+        self.generation_tokens_total += len(deltas)
+        commit = self.block_manager.commit_full_blocks
+        for req in step.requests:
+            if not req.is_finished and req.status == RequestStatus.RUNNING:
+                commit(req, req.num_tokens - req.num_pending)
         if finished:
             self.scheduler.finish_many(finished, statuses)
             for req in finished:
                 del self.requests[req.request_id]
         return deltas
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        num_output = len(req.output_token_ids)
+    def _check_stop(self, req: Request, token: int, num_output: int) -> RequestStatus | None:
         if num_output >= req.sampling_params.min_tokens:
             if token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in req.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if num_output >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
+        if num_output >= req.max_tokens or req.num_prompt_tokens + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -212,7 +269,7 @@ class LLMEngine:
         """Append `new_text` to the output and cut it at the first stop string."""
         params = req.sampling_params
         text = req.output_text + new_text
-        if len(req.output_token_ids) >= params.min_tokens:
+        if len(req.output_token_ids) - req.num_pending >= params.min_tokens:
             match = find_stop_string(text, len(new_text), params.stop, params.include_stop_str_in_output)
             if match is not None:
                 cut, stop = match
@@ -224,6 +281,12 @@ class LLMEngine:
         return new_text, status
 
     def _finalize(self, req: Request, status: RequestStatus) -> None:
+        if req.num_pending:  # tokens still in flight are dropped with the request
+            del req.output_token_ids[len(req.output_token_ids) - req.num_pending:]
+            del req.token_ids[len(req.token_ids) - req.num_pending:]
+            req.num_pending = 0
+        if req.sampling_params.needs_penalties:
+            self._num_penalty_requests -= 1
         req.finish_reason = FINISH_REASONS[status]
         req.finished_time = time.monotonic()
 

@@ -51,7 +51,7 @@ class StepInputs:
     """Host-side arrays of one step (views into the staging buffer) plus bookkeeping."""
 
     __slots__ = ("num_tokens", "num_seqs", "max_query_len", "max_seq_len", "num_block_cols", "logits_indices",
-                 "sample_mask", "is_decode")
+                 "sample_mask", "is_decode", "num_pending", "pending_offset")
 
 
 class ModelRunner:
@@ -72,7 +72,7 @@ class ModelRunner:
         set_attention_backend(self.backend)
 
         # One int32 staging buffer for everything a step sends to the device.
-        capacity = 3 * self.max_num_tokens + 2 * self.max_num_seqs + 1 + self.max_num_seqs * self.max_blocks_per_seq
+        capacity = 3 * self.max_num_tokens + 4 * self.max_num_seqs + 1 + self.max_num_seqs * self.max_blocks_per_seq
         pin = device.type == "cuda"
         self._host_buffer = torch.zeros(capacity, dtype=torch.int32, pin_memory=pin)
         self._host = self._host_buffer.numpy()
@@ -214,6 +214,13 @@ class ModelRunner:
             tables_v[num_seqs * num_block_cols:] = 0
 
         last = qsl_v[1: num_seqs + 1] - 1
+        # Input tokens the step in flight is still sampling (placeholders): the device fills
+        # them in from that step's sampled ids (row `sample_row`).
+        pending = [i for i, r in enumerate(reqs) if r.token_ids[-1] < 0]
+        if pending:
+            self._host[offset: offset + len(pending)] = last[pending]
+            self._host[offset + len(pending): offset + 2 * len(pending)] = [reqs[i].sample_row for i in pending]
+        pending_offset, offset = offset, offset + 2 * len(pending)
         sample_mask = (seq_lens == np.fromiter((r.num_tokens for r in reqs), dtype=np.int32, count=num_seqs))
         step = StepInputs()
         step.num_tokens, step.num_seqs = padded_tokens, padded_seqs
@@ -223,6 +230,7 @@ class ModelRunner:
         step.logits_indices = last[sample_mask]
         step.sample_mask = sample_mask
         step.is_decode = batch.num_tokens == num_seqs
+        step.num_pending, step.pending_offset = len(pending), pending_offset
         return step, offset
 
     def _to_device(self, step: StepInputs, used: int) -> tuple[torch.Tensor, ...]:
@@ -233,16 +241,22 @@ class ModelRunner:
         ids, pos, slot = buf[:t], buf[t: 2 * t], buf[2 * t: 3 * t]
         qsl = buf[3 * t: 3 * t + s + 1]
         lens = buf[3 * t + s + 1: 3 * t + 2 * s + 1]
-        tables = buf[3 * t + 2 * s + 1: used].view(s, step.num_block_cols)
+        tables = buf[3 * t + 2 * s + 1: 3 * t + 2 * s + 1 + s * step.num_block_cols].view(s, step.num_block_cols)
         return ids, pos, slot, qsl, lens, tables
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, np.ndarray]:
+    def run(self, batch: SchedulerOutput, block_manager: BlockManager,
+            in_flight_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, np.ndarray]:
         """Forward one step. Returns logits [num_sampling, vocab] (float32) for the
-        requests whose scheduled tokens reach their end, and the boolean mask of those."""
+        requests whose scheduled tokens reach their end, and the boolean mask of those.
+        `in_flight_tokens`: the device token ids sampled by the step still in flight."""
         graph_bucket = self._graph_bucket(batch)
         step, used = self.prepare(batch, block_manager, pad_to=graph_bucket)
         ids, pos, slot, qsl, lens, tables = self._to_device(step, used)
+        if step.num_pending:
+            n, start = step.num_pending, step.pending_offset
+            dst, src = self._device_buffer[start: start + n].long(), self._device_buffer[start + n: start + 2 * n].long()
+            ids.index_copy_(0, dst, in_flight_tokens.index_select(0, src).to(ids.dtype))
         if graph_bucket:
             hidden = self._replay_graph(graph_bucket, ids, pos, slot, lens, tables)
         else:

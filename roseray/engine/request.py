@@ -10,6 +10,9 @@ from typing import Any
 from roseray.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # a token id the device has sampled but the host has not seen yet
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -46,7 +49,7 @@ class Request:
         "output_text", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "num_preemptions", "eos_token_ids", "stop_token_ids", "max_tokens",
-        "user_data", "scheduled_step",
+        "user_data", "scheduled_step", "num_pending", "sample_row",
     )
 
     def __init__(
@@ -92,6 +95,8 @@ class Request:
         self.max_tokens = max_tokens
         self.user_data: Any = None
         self.scheduled_step = -1  # the scheduler step that last scheduled this request
+        self.num_pending = 0  # trailing tokens still being sampled on the device (PLACEHOLDER in token_ids)
+        self.sample_row = -1  # row of this request in the in-flight step's sampled ids
 
     @property
     def num_tokens(self) -> int:

@@ -33,8 +33,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -63,6 +65,8 @@ class Scheduler:
             if req.num_tokens - req.num_computed_tokens > 1:
                 prefilling.append(req)
                 continue
+            if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                continue  # its last token is being sampled by the step in flight
             if budget == 0:
                 break
             if req.num_computed_tokens >= req.num_blocks * block_size and not self._reserve(req, 1, out):
@@ -134,9 +138,12 @@ class Scheduler:
         req.status = status
 
     def finish_many(self, reqs: list[Request], statuses: list[RequestStatus]) -> None:
-        """Finish several running requests at once (one pass over `running`)."""
-        done = {id(r) for r in reqs}
-        self.running = [r for r in self.running if id(r) not in done]
+        """Finish several requests at once (one pass over `running`)."""
+        done = {id(r) for r in reqs if r.status == RequestStatus.RUNNING}
+        if done:
+            self.running = [r for r in self.running if id(r) not in done]
         for req, status in zip(reqs, statuses):
+            if req.status == RequestStatus.WAITING:  # preempted while its last token was in flight
+                self.waiting.remove(req)
             self.block_manager.free(req)
             req.status = status
