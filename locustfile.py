@@ -39,7 +39,7 @@ from locust.runners import MasterRunner, WorkerRunner
 from roseray.bench.load_shape import (ClosedLoopIndex, PoissonArrivals, Workload, parse_range,
                                       resolve_prompt_style)
 from roseray.bench.locust_report import ClientMonitor, SampleBook, summarize, write_report
-from roseray.bench.sse_stream import StreamResult, read_stream
+from roseray.bench.sse_stream import StreamResult, body_chunks, read_stream
 
 logger = logging.getLogger("roseray.locust")
 
@@ -221,7 +221,7 @@ class OpenAIStreamUser(HttpUser):
                                   timeout=(10.0, options.read_timeout)) as response:
                 replica = response.headers.get(REPLICA_HEADER, "unknown")
                 if response.status_code == 200:
-                    result = read_stream(response.iter_content(chunk_size=None), t_sent,
+                    result = read_stream(body_chunks(response.raw), t_sent,
                                          expected_tokens=shape.output_tokens if options.ignore_eos == "on" else None)
                 else:
                     result = http_error(response)

@@ -269,7 +269,8 @@ GAP_S = 0.02  # the scripted server's pause between tokens
 class ScriptedServer(BaseHTTPRequestHandler):
     """Streams one token every GAP_S, as two replicas taking turns; request i (in arrival
     order) answers 429 when i % 10 == 3, cuts its stream after two tokens when i % 10 == 6,
-    and sends [DONE] without a token when i % 10 == 8."""
+    sends [DONE] without a token when i % 10 == 8, and, as "scripted-close", frames its
+    body by closing the connection instead of chunked encoding when i % 10 in (1, 5)."""
 
     protocol_version = "HTTP/1.1"
     counter = itertools.count()
@@ -288,10 +289,16 @@ class ScriptedServer(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(error)
             return
+        self.chunked = i % 10 not in (1, 5)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.send_header("x-roseray-replica", f"scripted-{i % 2}")
+        if self.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("x-roseray-replica", f"scripted-{i % 2}")
+        else:
+            self.send_header("Connection", "close")
+            self.send_header("x-roseray-replica", "scripted-close")
+            self.close_connection = True
         self.end_headers()
         n = 0 if i % 10 == 8 else body["max_tokens"]
         for k in range(1, n + 1):
@@ -301,10 +308,11 @@ class ScriptedServer(BaseHTTPRequestHandler):
                 self.close_connection = True
                 return  # no terminating chunk: the client sees the body end early
         self.send_chunk(final_usage(n) + DONE)
-        self.wfile.write(b"0\r\n\r\n")
+        if self.chunked:
+            self.wfile.write(b"0\r\n\r\n")
 
     def send_chunk(self, data: bytes) -> None:
-        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n" if self.chunked else data)
         self.wfile.flush()
 
 
@@ -322,10 +330,11 @@ def test_locust_measures_true_gaps_and_reports_every_failure(tmp_path):
     requests, failures = summary["requests"], summary["failures"]
     assert requests["sent"] == requests["succeeded"] + requests["failed"] >= 15, requests
     assert set(failures["by_reason"]) == {"429 HTTP 429", "200 stream cut", "200 no content"}, failures
-    assert set(summary["replicas"]) == {"scripted-0", "scripted-1"}
-    itl = summary["total"]["itl_ms"]
-    # every gap is one server pause: a client that buffered the body would see gaps of ~0
-    assert GAP_S * 1e3 * 0.8 < itl["p50"] < GAP_S * 1e3 * 2.5, itl
+    assert set(summary["replicas"]) == {"scripted-0", "scripted-1", "scripted-close"}
+    # every gap is one server pause, with either framing: a client that buffered the body
+    # would see gaps of ~0
+    for name, m in summary["replicas"].items():
+        assert GAP_S * 1e3 * 0.8 < m["itl_ms"]["p50"] < GAP_S * 1e3 * 2.5, (name, m["itl_ms"])
     assert summary["total"]["tokens_per_chunk"]["max"] == 1
     ttft = summary["total"]["ttft_ms"]
     assert ttft["min"] > GAP_S * 1e3 * 0.8, ttft

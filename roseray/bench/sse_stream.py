@@ -74,6 +74,18 @@ class StreamResult:
         return self
 
 
+def body_chunks(raw, size: int = 65536) -> Iterator[bytes]:
+    """The bytes of a response body as they arrive, whatever its framing (chunked or
+    ended by the connection's close): `raw.read1` returns what is there, up to `size`,
+    without waiting for more (urllib3's `stream()` would read a body without chunked
+    framing to its end before returning anything)."""
+    while True:
+        data = raw.read1(size)
+        if not data:
+            return
+        yield data
+
+
 def sse_events(chunks: Iterable[bytes], clock: Callable[[], float] = time.perf_counter
                ) -> Iterator[tuple[float, str]]:
     """(arrival time, data) of each complete SSE event, as soon as its closing blank line
