@@ -295,7 +295,8 @@ def on_plan(environment, msg, **_) -> None:  # worker, from the master before it
 
 
 def on_drain(environment, msg, **_) -> None:  # worker, from the master when the run stops
-    RUN.drain(RUN.options.drain_timeout)
+    if RUN.options is not None:  # None: this worker got no users, so no test started here
+        RUN.drain(RUN.options.drain_timeout)
     if not RUN.final_sent:
         send_samples(environment, final=True)
 

@@ -449,9 +449,11 @@ class LocustRun:
 
 @pytest.fixture(scope="module")
 def locust_runs(ray_app, tmp_path_factory):
-    """One single-process run and one --processes 2 run, side by side (CI time)."""
+    """One single-process run of completions and one --processes 2 run of chat, side by side
+    (CI time)."""
     runs = {"single": LocustRun(ray_app, tmp_path_factory.mktemp("single"), *LOAD),
-            "processes": LocustRun(ray_app, tmp_path_factory.mktemp("processes"), *LOAD, "--processes", "2")}
+            "processes": LocustRun(ray_app, tmp_path_factory.mktemp("processes"), *LOAD, "--processes", "2",
+                                   "--api", "chat", "--prompt-style", "chars")}
     return {name: run.wait() for name, run in runs.items()}
 
 
@@ -461,7 +463,7 @@ def locust_rows(out_dir) -> dict:
         return {(row["Type"], row["Name"]): int(row["Request Count"]) for row in csv.DictReader(f)}
 
 
-def check_run(run: LocustRun) -> dict:
+def check_run(run: LocustRun, path: str = "/v1/completions") -> dict:
     out_dir = run.out_dir
     assert run.returncode == 0, run.output[-4000:]
     assert run.wall_s < 20, f"the locust run took {run.wall_s:.1f} s"
@@ -484,12 +486,15 @@ def check_run(run: LocustRun) -> dict:
         # tokens: every output has its ignore_eos length, and the chunks carried exactly usage's count
         assert ((output >= 8) & (output <= 24)).all()
         assert samples[f"{name}/chunk_tokens"].sum() == output.sum() == m["output_tokens"]
-        assert ((samples[f"{name}/prompt_tokens"] >= 16) & (samples[f"{name}/prompt_tokens"] <= 48)).all()
+        # prompts: 16 to 48 random token ids, or characters plus the chat template's tokens
+        prompt_tokens = samples[f"{name}/prompt_tokens"]
+        template = 0 if path == "/v1/completions" else 32
+        assert ((prompt_tokens >= 16) & (prompt_tokens <= 48 + template)).all(), prompt_tokens
         # locust saw one event per request and per ITL gap, per replica
         assert rows[("TTFT", name)] == rows[("E2E", name)] == m["requests"]
         assert rows[("ITL", name)] == m["itl_ms"]["count"] and rows[("TPOT", name)] == m["tpot_ms"]["count"]
     assert rows[("ITL", "all replicas")] == summary["total"]["itl_ms"]["count"]
-    assert rows[("POST", "/v1/completions")] == summary["requests"]["sent"]
+    assert rows[("POST", path)] == summary["requests"]["sent"]
     assert summary["throughput"]["output_tokens_per_s"] > 0 and summary["request_rate"]["sent_per_s"] > 1
     for name in ("itl_cdf", "itl_over_time"):
         with open(summary["files"][name], "rb") as f:
@@ -506,8 +511,8 @@ def test_headless_locust_against_two_ray_replicas(locust_runs):
 
 @needs_locust
 @pytest.mark.ray
-def test_locust_processes_merge_their_samples(locust_runs):
-    summary = check_run(locust_runs["processes"])
+def test_chat_with_two_locust_processes_merges_their_samples(locust_runs):
+    summary = check_run(locust_runs["processes"], "/v1/chat/completions")
     assert summary["client"]["workers"]["reported"] == 2 and not summary["client"]["workers"]["missing"]
     assert [p["process"] for p in summary["client"]["processes"]][0] == "master"
     assert len(summary["client"]["processes"]) == 3
