@@ -410,6 +410,10 @@ def log_summary(summary: dict) -> None:
         lines.append(f"{name[:27]:<28}{m['requests']:>6} {cell(m['ttft_ms'], 'p50')} {cell(m['ttft_ms'], 'p99')} "
                      f"{cell(m['itl_ms'], 'p50')} {cell(m['itl_ms'], 'p99')} {cell(m['itl_ms'], 'p99.9')} "
                      f"{cell(m['tpot_ms'], 'p50')} {cell(m['e2e_ms'], 'p99')}")
+    total = summary["total"]
+    if total["itl_zero_gaps"]["count"]:
+        lines.append(f"{100 * total['itl_zero_gaps']['share']:.1f}% of ITL gaps are 0 (chunks that arrived together); "
+                     f"tokens per chunk: mean {total['tokens_per_chunk']['mean']:.2f}")
     rate, tp = summary["request_rate"], summary["throughput"]
     lines.append(f"sent {rate['sent_per_s']:.2f} req/s (target {rate['target']}), {tp['output_tokens_per_s']:.1f} "
                  f"output tok/s, failures {summary['failures']['by_status'] or 0}, "

@@ -201,6 +201,7 @@ def test_summary_percentiles_are_exact_over_every_sample(tmp_path):
         assert summary["total"]["itl_ms"][f"p{q:g}"] == pytest.approx(np.percentile(itl_ms, q))
     assert summary["replicas"]["A"]["ttft_ms"]["p99"] == pytest.approx(np.percentile(book.field("ttft", "A"), 99) * 1e3)
     assert summary["total"]["requests"] == 20 and set(summary["replicas"]) == {"A", "B"}
+    assert summary["total"]["itl_zero_gaps"]["count"] == 0 and summary["total"]["tokens_per_chunk"]["max"] == 1
     assert summary["requests"] == {"sent": 20, "succeeded": 20, "failed": 1, "unfinished_at_end": 0,
                                    "warmup_excluded": 0}
     assert summary["failures"]["by_status"] == {"429": 1}

@@ -206,6 +206,10 @@ def _metrics(book: SampleBook, replica: str | None) -> dict[str, Any]:
     chunks = book.field("chunks", replica)
     out["output_tokens"] = int(output.sum())
     out["prompt_tokens"] = _stats(book.field("prompt_tokens", replica), qs=(50,))
+    itl = book.field("itl", replica)
+    out["itl_zero_gaps"] = {
+        "count": int(np.sum(itl == 0)), "share": float(np.mean(itl == 0)) if itl.size else None,
+        "note": "content chunks that arrived in the same read as the previous one (written together, or read late)"}
     per_chunk = book.field("chunk_tokens", replica)
     out["tokens_per_chunk"] = {
         "mean": float(output.sum() / chunks.sum()) if chunks.sum() else None,
