@@ -65,6 +65,9 @@ def add_options(parser) -> None:
              "token each in BPE vocabularies; chars: random characters, one token each for byte-level "
              "tokenizers (random:* models); auto: ids for completions, words for chat")
     add("--token-ids", default="0:255", help="token id range of the ids prompt style")
+    add("--long-prompt-every", type=int, default=0,
+        help="N > 0: every N-th request takes its prompt length from --long-prompt-tokens (a skewed mix)")
+    add("--long-prompt-tokens", default="4096", help="prompt length range of those requests, MIN:MAX or N")
     add("--ignore-eos", choices=["on", "off"], default="on", help="on: every output has exactly max_tokens")
     add("--temperature", type=float, default=0.0, help="sampling temperature sent with each request")
     add("--continuous-usage", choices=["on", "off"], default="on",
@@ -107,7 +110,8 @@ class Run:
         self.options = options
         style = resolve_prompt_style(options.prompt_style, options.api)
         self.workload = Workload(options.seed, parse_range(options.prompt_tokens), parse_range(options.output_tokens),
-                                 style, parse_range(options.token_ids, minimum=0))
+                                 style, parse_range(options.token_ids, minimum=0), options.long_prompt_every,
+                                 parse_range(options.long_prompt_tokens))
         if options.request_rate <= 0 or options.drain_timeout < 0 or options.warmup < 0:
             raise ValueError("--request-rate must be > 0, --drain-timeout and --warmup >= 0")
         self.extra_body = json.loads(options.extra_body) if options.extra_body else {}
@@ -141,10 +145,12 @@ RUN = Run()
 def options_record(options) -> dict:
     names = ("api", "model", "arrival", "request_rate", "prompt_style", "ignore_eos", "temperature",
              "continuous_usage", "seed", "warmup", "drain_timeout", "extra_body", "num_users", "spawn_rate",
-             "run_time", "processes", "host", "token_ids", "read_timeout")
+             "run_time", "processes", "host", "token_ids", "read_timeout", "long_prompt_every",
+             "long_prompt_tokens")
     record = {name: getattr(options, name, None) for name in names}
     record["prompt_tokens"] = list(parse_range(options.prompt_tokens))
     record["output_tokens"] = list(parse_range(options.output_tokens))
+    record["long_prompt_tokens"] = list(parse_range(options.long_prompt_tokens))
     record["prompt_style"] = resolve_prompt_style(options.prompt_style, options.api)
     return record
 

@@ -254,6 +254,10 @@ def test_request_shapes_depend_only_on_seed_and_index():
     chars = Workload(5, (100, 100), (1, 1), "chars").shape(0).prompt
     words = Workload(5, (100, 100), (1, 1), "words").shape(0).prompt
     assert len(chars) == 100 and len(words.split()) == 100
+    skewed = Workload(5, (16, 64), (8, 24), "ids", (0, 255), long_every=8, long_range=(4096, 4096))
+    lengths = [skewed.shape(k).prompt_tokens for k in range(80)]
+    assert [k for k, n in enumerate(lengths) if n == 4096] == list(range(7, 80, 8))
+    assert all(16 <= n <= 64 for k, n in enumerate(lengths) if k % 8 != 7)
     assert parse_range("128:4096") == (128, 4096) and parse_range("64") == (64, 64)
     for bad in ("0:5", "9:3", "a:b", "1:2:3"):
         with pytest.raises(ValueError):

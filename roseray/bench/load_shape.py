@@ -88,20 +88,29 @@ class RequestShape:
 
 
 class Workload:
-    """Request k's prompt and output length, drawn uniformly from the ranges (inclusive)."""
+    """Request k's prompt and output length, drawn uniformly from the ranges (inclusive).
+    With `long_every` = n > 0, every n-th request (k % n == n - 1) draws its prompt length
+    from `long_range` instead: a skewed mix, e.g. one request in eight with 4096 tokens."""
 
     def __init__(self, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                 prompt_style: str = "words", token_id_range: tuple[int, int] = (0, 255)) -> None:
+                 prompt_style: str = "words", token_id_range: tuple[int, int] = (0, 255), long_every: int = 0,
+                 long_range: tuple[int, int] = (4096, 4096)) -> None:
         if prompt_style not in PROMPT_STYLES or prompt_style == "auto":
             raise ValueError(f"prompt style must be one of ids, words, chars; got {prompt_style!r}")
+        if long_every < 0:
+            raise ValueError(f"long_every must be >= 0 (0: off), got {long_every}")
         self.seed = seed
         self.prompt_range, self.output_range = prompt_range, output_range
         self.prompt_style = prompt_style
         self.token_id_range = token_id_range
+        self.long_every, self.long_range = long_every, long_range
+
+    def is_long(self, k: int) -> bool:
+        return self.long_every > 0 and k % self.long_every == self.long_every - 1
 
     def shape(self, k: int) -> RequestShape:
         rng = random.Random(self.seed * 1_000_003 + k)
-        num_prompt = rng.randint(*self.prompt_range)
+        num_prompt = rng.randint(*(self.long_range if self.is_long(k) else self.prompt_range))
         num_output = rng.randint(*self.output_range)
         return RequestShape(k, num_prompt, num_output, self._prompt(rng, num_prompt))
 

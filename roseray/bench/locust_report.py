@@ -249,6 +249,9 @@ def summarize(book: SampleBook, *, window: tuple[float, float], options: dict[st
     asked = options.get("prompt_tokens")
     if prompt.size and isinstance(asked, (list, tuple)):
         mid = (asked[0] + asked[1]) / 2
+        every, long_range = options.get("long_prompt_every") or 0, options.get("long_prompt_tokens")
+        if every > 0 and isinstance(long_range, (list, tuple)):
+            mid = (1 - 1 / every) * mid + (long_range[0] + long_range[1]) / 2 / every
         if not 0.75 * mid <= prompt.mean() <= 1.33 * mid + 64:  # + 64: chat template tokens
             warnings.append(f"prompts averaged {prompt.mean():.0f} tokens (server usage) for a requested mean of "
                             f"{mid:.0f}: pick --prompt-style for this tokenizer (chars for byte-level random:*)")
