@@ -105,7 +105,7 @@ def _zero_rows(out_ptr, rows, num_tokens, head0, stride_ot, stride_oh,
 # ---------------------------------------------------------------------------------------
 # Decode: one program per (sequence, KV head, split)
 # ---------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_table"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, tables_ptr,
@@ -207,7 +207,7 @@ def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_table"])
 def _general_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, tables_ptr,

@@ -43,7 +43,7 @@ def main() -> None:
     while engine.has_unfinished_requests():
         engine.step()
 
-    phases = {"schedule": engine.scheduler.schedule, "run": engine.runner.run, "sample": engine.sampler.__call__}
+    phases = {"schedule": engine.scheduler.schedule, "run": engine.runner.run, "sample": engine.sampler.launch}
     spent = collections.defaultdict(float)
 
     def timed(name, fn):
@@ -58,13 +58,18 @@ def main() -> None:
 
     engine.scheduler.schedule = timed("schedule", phases["schedule"])
     engine.runner.run = timed("run", phases["run"])
-    engine.sampler = timed("sample", engine.sampler)
+    engine.sampler.launch = timed("sample", phases["sample"])
+    engine.overlap = False  # phases are timed with syncs: nothing overlaps anyway
     for i, (p, s) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", p, s, stream_text=args.workload == "seed")
     kinds = collections.defaultdict(list)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
     started = time.perf_counter()
+    trace = []
     while engine.has_unfinished_requests():
+        if len(trace) < 200:
+            trace.append((len(engine.scheduler.running), len(engine.scheduler.waiting),
+                          engine.block_manager.num_free_blocks))
         if len(kinds["decode"]) == 100:
             profiler.start()
         if len(kinds["decode"]) == 105:
@@ -75,14 +80,19 @@ def main() -> None:
         sync()
         dt = time.perf_counter() - t
         kinds["decode" if not engine.scheduler.waiting and before == len(engine.scheduler.running) else "other"].append(dt)
+        kinds["ordered"].append(dt)
     wall = time.perf_counter() - started
+    all_steps = kinds["decode"] + kinds["other"]
+    print("first steps (running, waiting, free blocks):", trace[:40:2], trace[40:200:10])
+    print("step ms (first 150, every 5th):", [round(x * 1e3, 1) for x in kinds["ordered"][:150:5]])
+    print("capacity", engine.runner.num_blocks, "blocks; startup KV tokens", engine.kv_capacity_tokens)
     total_steps = sum(len(v) for v in kinds.values())
     print(f"{args.workload}: wall {wall:.2f} s, {total_steps} steps, graphs {sorted(engine.runner.graphs)[-3:]}")
     for name, value in spent.items():
         print(f"  {name:<9} {value:7.2f} s  {value / total_steps * 1e3:7.3f} ms/step")
     other = wall - sum(spent.values())
     print(f"  {'update':<9} {other:7.2f} s  {other / total_steps * 1e3:7.3f} ms/step")
-    for kind, values in kinds.items():
+    for kind, values in [(k, v) for k, v in kinds.items() if k != "ordered"]:
         print(f"  {kind} steps: {len(values)}, median {np.median(values) * 1e3:.3f} ms, total {sum(values):.2f} s")
     if len(kinds["decode"]) > 105:
         print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))

@@ -30,6 +30,7 @@ from roseray.layers.attention import (
 )
 
 logger = logging.getLogger(__name__)
+ALIGN = 16  # int32 elements: staging-buffer regions start 64-byte aligned
 
 
 def make_attention_backend(name: str, device: torch.device):
@@ -51,7 +52,7 @@ class StepInputs:
     """Host-side arrays of one step (views into the staging buffer) plus bookkeeping."""
 
     __slots__ = ("num_tokens", "num_seqs", "max_query_len", "max_seq_len", "num_block_cols", "logits_indices",
-                 "sample_mask", "is_decode", "num_pending", "pending_offset")
+                 "sample_mask", "is_decode", "num_pending", "pending_offset", "offsets")
 
 
 class ModelRunner:
@@ -72,7 +73,8 @@ class ModelRunner:
         set_attention_backend(self.backend)
 
         # One int32 staging buffer for everything a step sends to the device.
-        capacity = 3 * self.max_num_tokens + 4 * self.max_num_seqs + 1 + self.max_num_seqs * self.max_blocks_per_seq
+        capacity = (3 * self.max_num_tokens + 4 * self.max_num_seqs + 1 + self.max_num_seqs * self.max_blocks_per_seq
+                    + 8 * ALIGN)
         pin = device.type == "cuda"
         self._host_buffer = torch.zeros(capacity, dtype=torch.int32, pin_memory=pin)
         self._host = self._host_buffer.numpy()
@@ -185,10 +187,11 @@ class ModelRunner:
         num_block_cols = int((seq_lens.max() + self.block_size - 1) // self.block_size)
 
         sizes = [padded_tokens, padded_tokens, padded_tokens, padded_seqs + 1, padded_seqs, padded_seqs * num_block_cols]
-        views, offset = [], 0
+        views, offsets, offset = [], [], 0
         for size in sizes:
             views.append(self._host[offset: offset + size])
-            offset += size
+            offsets.append(offset)
+            offset += -(-size // ALIGN) * ALIGN  # every region starts 64-byte aligned (one Triton variant)
         ids_v, pos_v, slot_v, qsl_v, lens_v, tables_v = views
 
         # positions: each sequence's new tokens continue from its computed prefix
@@ -231,6 +234,7 @@ class ModelRunner:
         step.sample_mask = sample_mask
         step.is_decode = batch.num_tokens == num_seqs
         step.num_pending, step.pending_offset = len(pending), pending_offset
+        step.offsets = offsets
         return step, offset
 
     def _to_device(self, step: StepInputs, used: int) -> tuple[torch.Tensor, ...]:
@@ -238,11 +242,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._device_buffer[:used].copy_(self._host_buffer[:used], non_blocking=True)
         buf, t, s = self._device_buffer, step.num_tokens, step.num_seqs
-        ids, pos, slot = buf[:t], buf[t: 2 * t], buf[2 * t: 3 * t]
-        qsl = buf[3 * t: 3 * t + s + 1]
-        lens = buf[3 * t + s + 1: 3 * t + 2 * s + 1]
-        tables = buf[3 * t + 2 * s + 1: 3 * t + 2 * s + 1 + s * step.num_block_cols].view(s, step.num_block_cols)
-        return ids, pos, slot, qsl, lens, tables
+        o_ids, o_pos, o_slot, o_qsl, o_lens, o_tab = step.offsets
+        tables = buf[o_tab: o_tab + s * step.num_block_cols].view(s, step.num_block_cols)
+        return (buf[o_ids: o_ids + t], buf[o_pos: o_pos + t], buf[o_slot: o_slot + t], buf[o_qsl: o_qsl + s + 1],
+                buf[o_lens: o_lens + s], tables)
 
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput, block_manager: BlockManager,
