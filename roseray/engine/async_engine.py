@@ -155,12 +155,15 @@ class AsyncLLMEngine:
     """
 
     def __init__(self, engine: SteppableEngine, *, max_waiting_requests: int, retry_after_s: int = 1,
-                 heartbeat_s: float = 1.0, stuck_after_s: float = 60.0) -> None:
+                 heartbeat_s: float = 1.0, stuck_after_s: float = 60.0, max_failed_steps: int = 3) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.retry_after_s = retry_after_s
         self.heartbeat_s = heartbeat_s
         self.stuck_after_s = stuck_after_s
+        self.max_failed_steps = max_failed_steps  # consecutive failed model steps before check_health fails
+        self.num_failed_steps = 0  # consecutive steps whose forward raised (engine.last_error changed)
+        self._last_error_seen: BaseException | None = None
         self._commands: collections.deque = collections.deque()  # appended by asyncio, popped by the loop
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -202,9 +205,13 @@ class AsyncLLMEngine:
                 and time.monotonic() - self.stats.last_heartbeat < self.stuck_after_s)
 
     def check_health(self) -> None:
-        """Raise if the loop is dead or stuck (Ray Serve's check_health contract)."""
+        """Raise if the loop is dead or stuck, or the model fails step after step (a sticky
+        device error): Ray Serve's check_health contract, so that the replica is replaced."""
         if self._state is LoopState.DEAD:
             raise RuntimeError(f"engine loop died: {self.dead_error!r}")
+        if self.num_failed_steps >= self.max_failed_steps:
+            raise RuntimeError(f"the last {self.num_failed_steps} engine steps failed: "
+                               f"{getattr(self.engine, 'last_error', None)!r}")
         if self._state in (LoopState.RUNNING, LoopState.DRAINING) and not self.is_alive:
             stalled = time.monotonic() - self.stats.last_heartbeat
             raise RuntimeError(f"engine loop is stuck: no step or heartbeat for {stalled:.1f} s "
@@ -323,6 +330,7 @@ class AsyncLLMEngine:
                     continue
                 deltas = engine.step()
                 num_steps += 1
+                self._count_failed_step(deltas)
                 self.stats = self._snapshot(num_steps)
                 self._hand_off(admissions, deltas, self.stats, num_drained)
         except BaseException as error:  # noqa: BLE001 - the loop must report any failure
@@ -333,6 +341,14 @@ class AsyncLLMEngine:
             return
         if self._loop is not None:
             self._call_loop(self._on_dead, EngineUnavailableError("the engine was stopped"))
+
+    def _count_failed_step(self, deltas: list[RequestDelta]) -> None:
+        error = getattr(self.engine, "last_error", None)
+        if error is not None and error is not self._last_error_seen:
+            self._last_error_seen = error
+            self.num_failed_steps += 1
+        elif any(delta.new_token_ids for delta in deltas):
+            self.num_failed_steps = 0
 
     def _drain_commands(self, admissions: list) -> int:
         commands, engine, num_adds = self._commands, self.engine, 0

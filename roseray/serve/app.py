@@ -58,6 +58,8 @@ class EngineDeployment:
                           **self._app_kwargs)
 
     def _check_ticket(self, request: Request) -> str | None:
+        if wiring.came_through_serve_proxy(request.scope):
+            return None  # HAProxy's fallback path: Serve's proxy routed it with KVQueueRequestRouter
         return self.tickets.verify(request.headers.get(TICKET_HEADER), request.headers.get(REQUEST_ID_HEADER))
 
     def record_routing_stats(self) -> dict[str, Any]:

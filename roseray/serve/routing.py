@@ -7,7 +7,9 @@ Signals, per replica:
   * this router's own picks since that snapshot. The HAProxy ingress router picks with
     `choose_replica(_reserve=False)`, so nothing else tells it about requests it sent
     after the last snapshot; without counting them every request of a burst would land
-    on the same replica (herding).
+    on the same replica (herding). A pick still counts until a snapshot taken
+    `pick_grace_s` after it: a request needs a moment to travel from the pick through
+    HAProxy to the replica, and a snapshot taken meanwhile does not contain it yet.
 
 Ranking: replicas whose (estimated) free blocks can hold the request first, then the
 shortest queue, then the most free blocks, ties broken at random. Prefix affinity: the
@@ -36,6 +38,16 @@ class RoutingHint:
 
     need_blocks: int = 1  # KV blocks the request needs (estimated)
     prefix_hashes: tuple[int, ...] = ()  # block-hash chain of the prompt, shortest prefix first
+
+    @classmethod
+    def from_route_arg(cls, arg: Any) -> "RoutingHint | None":
+        """The hint passed to choose_replica, by its fields: Serve ships this module's
+        RequestRouter by value, so in the router its RoutingHint is another class object
+        than the caller's and isinstance() cannot be used."""
+        need_blocks, prefix_hashes = getattr(arg, "need_blocks", None), getattr(arg, "prefix_hashes", None)
+        if not isinstance(need_blocks, int) or not isinstance(prefix_hashes, tuple):
+            return None
+        return cls(need_blocks, prefix_hashes)
 
 
 @dataclass(frozen=True)
@@ -111,8 +123,9 @@ class RoutingPolicy:
     """The ranking, free of Ray: candidates are anything with `replica_id` and `routing_stats`."""
 
     def __init__(self, *, affinity_max_imbalance: int = 4, affinity_capacity: int = 100_000,
-                 unseen_pick_window_s: float = 2.0, seed: int | None = None) -> None:
+                 pick_grace_s: float = 0.2, unseen_pick_window_s: float = 2.0, seed: int | None = None) -> None:
         self.affinity_max_imbalance = affinity_max_imbalance
+        self.pick_grace_s = pick_grace_s
         self.affinity_capacity = affinity_capacity
         self.unseen_pick_window_s = unseen_pick_window_s
         self._picks: dict[Any, _Picks] = {}
@@ -127,7 +140,7 @@ class RoutingPolicy:
         if ts is not None:
             if ts != entry.seen_ts:
                 entry.seen_ts = ts
-                while picks and picks[0][0] <= ts:
+                while picks and picks[0][0] <= ts - self.pick_grace_s:
                     picks.popleft()
         else:  # no snapshot yet: count recent picks only
             while picks and picks[0][0] < now - self.unseen_pick_window_s:
@@ -204,8 +217,8 @@ class KVQueueRequestRouter(FIFOMixin, RequestRouter):
         hint = None
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
-            if pending_request.args and isinstance(pending_request.args[0], RoutingHint):
-                hint = pending_request.args[0]
+            if pending_request.args:
+                hint = RoutingHint.from_route_arg(pending_request.args[0])
         ranked = self.policy.rank(candidate_replicas, hint)
         if ranked and pending_request is not None:
             self.policy.record_pick(ranked[0].replica_id, hint)

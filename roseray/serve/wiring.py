@@ -13,7 +13,12 @@ tests/test_serve_wiring.py fails loudly when an upgrade moves any of them:
     `replica_id.to_full_id_str()` name the replica in the /internal/route answer;
   * the answer's `request_headers` field (applied by HAProxy after it strips every
     client-sent `x-serve-router-*` header) carries roseray's ticket;
-  * `RAY_SERVE_ENABLE_HA_PROXY`, read by Serve at import time in every process.
+  * `RAY_SERVE_ENABLE_HA_PROXY`, read by Serve at import time in every process;
+  * HAProxy's fallback for a "pin-miss" (the router named a replica HAProxy's config does
+    not list yet) is Serve's own proxy on RAY_SERVE_FALLBACK_PROXY_HTTP_PORT, which routes
+    through a DeploymentHandle, i.e. through roseray's RequestRouter as well; such requests
+    reach the engine's app with the proxy's ASGI scope and no ticket;
+  * (tests and tools) the controller's `get_target_groups` lists replica HTTP ports.
 """
 
 from __future__ import annotations
@@ -70,6 +75,24 @@ async def pick_replica(handle: DeploymentHandle, *route_args) -> ReplicaPick:
         if endpoint is None:
             raise RuntimeError(f"replica {selection.replica_id} has no HTTP port yet")
         return ReplicaPick(host=endpoint[0], port=endpoint[1], replica_id=replica.replica_id.to_full_id_str())
+
+
+def engine_http_targets(app_name: str) -> list[tuple[str, int]]:
+    """(node ip, port) of each replica of `app_name`'s ingress deployment, as HAProxy
+    sees them (call from a process connected to the cluster)."""
+    controller = ray.get_actor(serve_constants.SERVE_CONTROLLER_NAME, namespace=serve_constants.SERVE_NAMESPACE)
+    groups = ray.get(controller.get_target_groups.remote(app_name, True))
+    return sorted({(t.ip, t.port) for g in groups if g.app_name == app_name
+                   and str(getattr(g.protocol, "value", g.protocol)).upper() == "HTTP" for t in g.targets})
+
+
+def came_through_serve_proxy(scope: dict) -> bool:
+    """Whether an ASGI request reached this replica through Serve's proxy (HAProxy's
+    fallback, routed by the deployment's RequestRouter) rather than on the replica's own
+    port. `scope["server"]` is the listening socket that accepted the client's connection,
+    which a client cannot choose."""
+    server = scope.get("server") or (None, None)
+    return server[1] == serve_constants.RAY_SERVE_FALLBACK_PROXY_HTTP_PORT
 
 
 def route_answer(pick: ReplicaPick, request_headers: dict[str, str]) -> dict:

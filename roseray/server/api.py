@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-roseray-replica"
 _PARAM_NAMES = frozenset(f for f in SamplingParams.__dataclass_fields__) | {"prompt", "messages"}
 
-# Checks a request's headers before it may generate; returns why it is refused, or None.
+# Checks a request before it may generate; returns why it is refused (503 + Retry-After:
+# in roseray's Ray app the only unticketed requests that are not attacks come from HAProxy
+# while it has not learnt the router yet, and those are worth retrying), or None.
 RequestGuard = Callable[[Request], "str | None"]
 
 
@@ -153,7 +155,7 @@ class OpenAIServer:
         if self.request_guard is not None:
             refusal = self.request_guard(http_request)
             if refusal is not None:
-                raise APIError(403, refusal, code="not_routed")
+                raise APIError(503, refusal, code="not_routed", headers={"Retry-After": "1"})
         self._check_model(body.model)
         prompt_ids, params = self._prepare(body)
         is_chat = isinstance(body, ChatCompletionRequest)
