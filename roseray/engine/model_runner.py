@@ -155,10 +155,12 @@ class ModelRunner:
             return
         started = time.perf_counter()
         budget = min(self.config.max_num_batched_tokens, self.max_model_len)
-        long_len = max(1, min(budget // 2, self.max_model_len - 1))
-        self._dummy_forward([long_len, 17, 3], [long_len, 17, 3])  # prefill only
-        self._dummy_forward([1, 1, 5, long_len // 2], [40, 300, 5 + 33, long_len])  # decodes + chunks on a prefix
-        self._dummy_forward([1] * 5, [1, 17, 100, 1000 % self.max_model_len + 1, 7])  # decode, eager
+        cap = lambda n: max(1, min(n, self.max_model_len))  # noqa: E731 - positions must stay in range
+        long_len = cap(budget // 2)
+        self._dummy_forward([long_len, cap(17), cap(3)], [long_len, cap(17), cap(3)])  # prefill only
+        mixed = [cap(40), cap(300), cap(38), long_len]  # decodes + chunks on a cached prefix
+        self._dummy_forward([1, 1, min(5, mixed[2]), max(1, long_len // 2)], mixed)
+        self._dummy_forward([1] * 5, [cap(n) for n in (1, 17, 100, 1000, 7)])  # decode, eager
         torch.cuda.synchronize(self.device)
         logger.info("kernels warmed up in %.1f s", time.perf_counter() - started)
 
