@@ -1,12 +1,24 @@
 """roseray's Triton kernels (imported as `roseray_kernels`), each with a torch reference."""
 
+from .activation import silu_and_mul, silu_and_mul_reference
+from .fused_norm import rmsnorm, rmsnorm_reference
 from .kv_append import kv_append, kv_append_index_put_baseline, kv_append_reference
 from .paged_attention import choose_num_splits, paged_attention
+from .rotary import rotary_qk_, rotary_qk_reference
+from .sampling import gumbel_max_reference, gumbel_max_sample
 
 __all__ = [
     "choose_num_splits",
+    "gumbel_max_reference",
+    "gumbel_max_sample",
     "kv_append",
     "kv_append_index_put_baseline",
     "kv_append_reference",
     "paged_attention",
+    "rmsnorm",
+    "rmsnorm_reference",
+    "rotary_qk_",
+    "rotary_qk_reference",
+    "silu_and_mul",
+    "silu_and_mul_reference",
 ]

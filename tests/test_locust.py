@@ -349,7 +349,7 @@ def test_locust_measures_true_gaps_and_reports_every_failure(tmp_path):
 APP = "roseray"
 ENGINE = {"model": "random:tiny", "max_num_seqs": 16, "max_waiting_requests": 64, "max_model_len": 512,
           "num_kv_blocks": 256, "block_size": 16}
-LOAD = ["-u", "16", "-r", "16", "-t", "8s", "--request-rate", "3", "--prompt-tokens", "16:48",
+LOAD = ["-u", "16", "-r", "16", "-t", "6s", "--request-rate", "3", "--prompt-tokens", "16:48",
         "--output-tokens", "8:24", "--seed", "1", "--save-samples", "on", "--drain-timeout", "10"]
 
 
@@ -387,7 +387,7 @@ def ray_app():
     port = free_port()
     env = {**os.environ, **haproxy_env(state_dir),
            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0.2",
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     env.pop("RAY_ADDRESS", None)
     log = open(os.path.join(ray_tmp, "cluster.log"), "w+")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from roseray.layers.attention import Attention, AttentionMetadata, attention_metadata
 from roseray.models.loader import load_model, load_model_config
@@ -97,6 +98,27 @@ def test_paged_prefill_chunks_and_decode_match_hf(checkpoint):
                 got, expected[seq][start:end], atol=ATOL, rtol=1e-4,
                 msg=lambda m: f"{kind} step {step} seq {seq}: {m}",
             )  # fmt: skip
+
+
+def test_odd_vocab_gpt2_matches_hf_through_padded_lm_head(tmp_path):
+    """GPT-2 with vocab 317: lm_head multiplies by 320 padded rows; the logits are the first 317."""
+    hf_config = transformers.GPT2Config(vocab_size=317, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    hf_model = transformers.GPT2LMHeadModel(hf_config).eval()
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    model, config = _load(tmp_path)
+    assert config.vocab_size == 317
+    wte = model.transformer.wte.weight
+    assert wte.untyped_storage().nbytes() == 320 * 64 * 4  # padded storage behind the [317, 64] embedding
+    prompt = torch.randint(0, 317, (9,), generator=torch.Generator().manual_seed(2))
+    meta = _metadata([([0] * 3, 0, 9)])
+    meta.slot_mapping.fill_(-1)
+    got = _run(model, [prompt], [(0, 9)], meta)[0]
+    with torch.no_grad():
+        want = hf_model(prompt[None]).logits[0].float()
+    assert got.shape == (9, 317)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
 
 
 def test_random_tiny_preset_runs():

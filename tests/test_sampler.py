@@ -150,30 +150,34 @@ def test_top_k_and_min_p_exclude_and_plain_sampling_follows_softmax():
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]
+# (device, fused): the torch path and the Triton Gumbel-max path (interpreted on CPU); CUDA's default is fused.
+DEVICE_PATHS = [("cpu", False), ("cpu", True), pytest.param("cuda", None, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
 def step_logits(step: int, vocab_size: int = 500) -> torch.Tensor:
     return torch.randn(vocab_size, generator=torch.Generator().manual_seed(1000 + step))  # [V]
 
 
-def generate_alone(params: SamplingParams, num_steps: int, device: str) -> list[int]:
+def generate_alone(params: SamplingParams, num_steps: int, device: str, fused: bool | None = None) -> list[int]:
     req = make_request(params, rid="alone")
-    sampler = Sampler(seed=12345)
+    sampler = Sampler(seed=12345, fused=fused)
     for step in range(num_steps):
         token_id = sampler(step_logits(step).unsqueeze(0).to(device), [req]).token_ids[0]
         append_token(req, token_id)
     return req.output_token_ids
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_seeded_requests_give_the_same_tokens_alone_and_in_any_batch(device):
+@pytest.mark.parametrize("device,fused", DEVICE_PATHS)
+def test_seeded_requests_give_the_same_tokens_alone_and_in_any_batch(device, fused):
     num_steps = 10
     nucleus = SamplingParams(temperature=1.2, top_p=0.95, seed=42)
     top_k_nucleus = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, seed=5, repetition_penalty=1.3)
-    alone = {"nucleus": generate_alone(nucleus, num_steps, device),
-             "top_k_nucleus": generate_alone(top_k_nucleus, num_steps, device)}
-    assert generate_alone(nucleus, num_steps, device) == alone["nucleus"]
-    assert generate_alone(SamplingParams(temperature=1.2, top_p=0.95, seed=43), num_steps, device) != alone["nucleus"]
+    alone = {"nucleus": generate_alone(nucleus, num_steps, device, fused),
+             "top_k_nucleus": generate_alone(top_k_nucleus, num_steps, device, fused)}
+    assert generate_alone(nucleus, num_steps, device, fused) == alone["nucleus"]
+    assert generate_alone(SamplingParams(temperature=1.2, top_p=0.95, seed=43), num_steps, device,
+                          fused) != alone["nucleus"]
 
     targets = {name: make_request(params, rid=name) for name, params in
                (("nucleus", nucleus), ("top_k_nucleus", top_k_nucleus))}
@@ -189,7 +193,7 @@ def test_seeded_requests_give_the_same_tokens_alone_and_in_any_batch(device):
     batches = [["top_k_nucleus", "greedy", "top_k_same_seed"], ["unseeded", "nucleus", "top_k_nucleus", "logprobs"],
                ["nucleus"], ["greedy", "top_k_same_seed", "top_k_nucleus", "seeded", "nucleus"],
                ["top_k_nucleus"], ["logprobs", "nucleus", "unseeded", "greedy", "seeded", "top_k_nucleus"]]
-    sampler = Sampler()  # a different shared seed must not matter
+    sampler = Sampler(fused=fused)  # a different shared seed must not matter
     step = 0
     while any(len(t.output_token_ids) < num_steps for t in targets.values()):
         batch = [targets.get(name) or others[name] for name in batches[step % len(batches)]]
@@ -203,10 +207,59 @@ def test_seeded_requests_give_the_same_tokens_alone_and_in_any_batch(device):
     assert {name: t.output_token_ids for name, t in targets.items()} == alone
 
 
-def test_unseeded_sampler_seed_makes_runs_repeatable():
+@pytest.mark.parametrize("fused", [False, True])
+def test_unseeded_sampler_seed_makes_runs_repeatable(fused):
     logits = random_logits(16, 300, seed=3)
     requests = [make_request(SamplingParams()) for _ in range(16)]
-    assert Sampler(seed=9)(logits, requests).token_ids == Sampler(seed=9)(logits, requests).token_ids
+    first = Sampler(seed=9, fused=fused)(logits, requests).token_ids
+    assert first == Sampler(seed=9, fused=fused)(logits, requests).token_ids
+    assert first != Sampler(seed=10, fused=fused)(logits, requests).token_ids
+
+
+# --- the fused Gumbel-max path (Triton; interpreted on CPU) -----------------------------------
+
+
+def test_fused_path_plain_sampling_follows_softmax_over_temperature():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    logits = probs.log().expand(4000, -1).contiguous()
+    temperature = 0.6
+    requests = [make_request(SamplingParams(temperature=temperature)) for _ in range(4000)]
+    counts = Counter(Sampler(seed=2, fused=True)(logits, requests).token_ids)
+    expected = torch.softmax(probs.log() / temperature, dim=0).tolist()
+    chi_square = sum((counts[t] - 4000 * p) ** 2 / (4000 * p) for t, p in enumerate(expected))
+    assert set(counts) <= {0, 1, 2, 3} and chi_square < 16.3  # 3 degrees of freedom: P(chi2 > 16.3) = 0.001
+
+
+def test_fused_path_keeps_greedy_rows_exact_and_merges_the_other_rows():
+    logits = random_logits(8, 64, seed=6)
+    requests = [
+        make_request(SamplingParams(temperature=0.0)),  # plain greedy: the kernel's argmax
+        make_request(SamplingParams(temperature=5.0)),  # plain sampled: the kernel
+        make_request(SamplingParams(temperature=0.0, presence_penalty=0.5), output=[10]),  # 10 -> 11
+        make_request(SamplingParams(temperature=0.7, logprobs=3)),  # full path, with logprobs
+        make_request(SamplingParams(temperature=0.9, top_k=1)),  # greedy by top_k
+        make_request(SamplingParams(temperature=0.8, top_k=2)),  # full path: top-2 only
+        make_request(SamplingParams(temperature=1.0, min_tokens=2), output=[]),  # EOS blocked
+        make_request(SamplingParams(temperature=5.0)),
+    ]
+    logits[2, 10], logits[2, 11] = 50.0, 49.9
+    logits[6, EOS] = 50.0  # would always win without min_tokens
+    fused, reference = Sampler(seed=0, fused=True), Sampler(seed=0, fused=False)
+    argmax = logits.argmax(dim=-1).tolist()
+    sampled_differ = 0
+    for _ in range(10):
+        out = fused(logits, requests)
+        want = reference(logits, requests)
+        assert out.token_ids[0] == argmax[0] and out.token_ids[4] == argmax[4]
+        assert out.token_ids[2] == want.token_ids[2] == 11  # the penalty applied
+        assert out.token_ids[5] in set(logits[5].topk(2).indices.tolist())
+        assert out.token_ids[6] != EOS
+        raw = logits[3].log_softmax(dim=-1)
+        assert list(out.logprobs[3])[:3] == raw.topk(3).indices.tolist()
+        assert out.sampled_logprobs[3] == pytest.approx(float(raw[out.token_ids[3]]))
+        assert all(out.logprobs[row] is None for row in (0, 1, 2, 4, 5, 6, 7))
+        sampled_differ += (out.token_ids[1] != argmax[1]) + (out.token_ids[7] != argmax[7])
+    assert sampled_differ > 10  # the temperature-5 rows really are sampled
 
 
 # --- penalties and min_tokens -----------------------------------------------------------
@@ -302,7 +355,10 @@ def test_one_device_to_host_sync_per_call_on_gpu():
     sampler = Sampler(seed=0)
     sampler(logits, requests)  # warm-up: generators, pinned memory pool
     torch.cuda.synchronize()
-    for batch in (requests, requests[:1], requests[1:2]):
+    plain = [make_request(SamplingParams(temperature=0.6)), make_request(SamplingParams(temperature=0.0))]
+    sampler(logits[:2], plain)  # warm-up of the fused Gumbel-max kernel
+    torch.cuda.synchronize()
+    for batch in (requests, requests[:1], requests[1:2], plain, plain[:1] + requests[1:]):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")

@@ -10,6 +10,13 @@ needs it:
     -> greedy rows: argmax
     -> temperature -> top-k -> top-p -> min-p -> exponential race (argmax(probs / Exp(1)))
 
+Fast path (on CUDA): rows that need only greedy or plain temperature sampling (no filters,
+penalties, min_tokens, logprobs or seed) are sampled by one Gumbel-max pass of Triton over
+the logits (roseray_kernels.sampling: argmax(logits / T + Gumbel noise), the distribution of
+the exponential race, no [B, V] temporaries), keyed by a seed drawn on the device from the
+shared generator. Any other rows of the batch go through the full path above on their own
+and are merged in before the one host copy.
+
 Every per-request parameter becomes one tensor per call, built from a Python list and
 copied host->device without blocking; the only device->host copy is the final `.tolist()`.
 A seeded request draws its row's noise from its own generator (`request.generator`), so
@@ -25,6 +32,7 @@ import numpy as np
 import torch
 
 from roseray.engine.request import Request
+from roseray.layers import fused
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
 SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64)
@@ -54,10 +62,11 @@ class BatchParams:
     logprob_rows: list[int]
     num_logprobs: list[int]  # top-N of each logprob row, aligned with logprob_rows
     seeded_rows: list[int]  # sampled (non-greedy) rows with a seed
+    plain: list[bool]  # greedy or temperature alone: what the fused Gumbel-max kernel samples
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int) -> "BatchParams":
-        p = cls([], [], [], [], [], [], [], [], [], [])
+        p = cls([], [], [], [], [], [], [], [], [], [], [])
         for row, req in enumerate(requests):
             sp = req.sampling_params
             greedy = sp.is_greedy or sp.temperature < SAMPLING_EPS
@@ -75,6 +84,10 @@ class BatchParams:
                 p.num_logprobs.append(sp.logprobs)
             if sp.seed is not None and not greedy:
                 p.seeded_rows.append(row)
+            p.plain.append(not sp.needs_penalties and sp.logprobs is None
+                           and (not p.min_tokens_rows or p.min_tokens_rows[-1] != row)
+                           and (greedy or (sp.seed is None and p.top_ks[-1] == vocab_size
+                                           and p.top_ps[-1] == float("inf") and p.min_ps[-1] == 0.0)))
         return p
 
     @property
@@ -89,10 +102,15 @@ class BatchParams:
 
 
 class Sampler:
-    """`Sampler()(logits [B, V], requests) -> SamplerOutput`; `seed` fixes the shared generator."""
+    """`Sampler()(logits [B, V], requests) -> SamplerOutput`; `seed` fixes the shared generator.
 
-    def __init__(self, seed: int | None = None) -> None:
+    `fused`: sample the plain rows with the Triton Gumbel-max kernel; None (the default) = when
+    the logits are on CUDA. (On CPU the kernel runs only under TRITON_INTERPRET=1: tests.)
+    """
+
+    def __init__(self, seed: int | None = None, fused: bool | None = None) -> None:
         self.seed = seed
+        self.fused = fused
         self._generators: dict[torch.device, torch.Generator] = {}
         self._prompt_cache = PromptTokenCache()
 
@@ -108,6 +126,20 @@ class Sampler:
         if params.is_plain_greedy:
             token_ids = logits.argmax(dim=-1)
             return PendingSample(token_ids, token_ids, None, params)
+        if self._uses_fused(logits) and any(params.plain):
+            token_ids, raw_logprobs = self._sample_fused(logits, requests, params)
+        else:
+            token_ids, raw_logprobs = self._sample_full(logits, requests, params)
+        packed, max_top_n = _pack(token_ids, raw_logprobs, params)
+        return PendingSample(token_ids, packed, max_top_n, params)
+
+    def _uses_fused(self, logits: torch.Tensor) -> bool:
+        wanted = logits.is_cuda if self.fused is None else self.fused
+        return wanted and fused.HAVE_TRITON and logits.stride(1) == 1
+
+    def _sample_full(self, logits: torch.Tensor, requests: list[Request],
+                     params: BatchParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every stage: token ids [B] int64 and the raw logprobs of the logprob rows, on the device."""
         raw_logprobs = _raw_logprobs(logits, params.logprob_rows)  # [num_logprob_rows, V] or None
         logits = logits.to(torch.float32, copy=True)  # [B, V], modified in place from here
         if params.penalty_rows:
@@ -115,9 +147,29 @@ class Sampler:
                             self._prompt_cache)
         if params.min_tokens_rows:
             mask_min_tokens(logits, [requests[i] for i in params.min_tokens_rows], params.min_tokens_rows)
-        token_ids = self._sample(logits, requests, params)  # [B] int64
-        packed, max_top_n = _pack(token_ids, raw_logprobs, params)
-        return PendingSample(token_ids, packed, max_top_n, params)
+        return self._sample(logits, requests, params), raw_logprobs
+
+    def _sample_fused(self, logits: torch.Tensor, requests: list[Request],
+                      params: BatchParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The Gumbel-max kernel over every row, then the full path on the other rows, merged in."""
+        device = logits.device
+        # The kernel's temperature: 0 = argmax (greedy rows, and the rows the full path overwrites).
+        temperatures = [t if plain and not greedy else 0.0
+                        for greedy, plain, t in zip(params.is_greedy, params.plain, params.temperatures)]
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device,
+                             generator=self._shared_generator(device))
+        token_ids = fused.gumbel_max_sample(logits, _to_device(temperatures, torch.float32, device), seed)
+        other_rows = [row for row, plain in enumerate(params.plain) if not plain]
+        if not other_rows:
+            return token_ids, None
+        other_requests = [requests[row] for row in other_rows]
+        row_index = _to_device(other_rows, torch.int64, device)
+        other_params = BatchParams.from_requests(other_requests, logits.shape[1])
+        other_token_ids, raw_logprobs = self._sample_full(logits.index_select(0, row_index), other_requests,
+                                                          other_params)
+        token_ids.index_copy_(0, row_index, other_token_ids)
+        # Every logprob row is among the other rows, in the same order: raw_logprobs lines up with params.
+        return token_ids, raw_logprobs
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], params: BatchParams) -> torch.Tensor:
         if params.all_greedy:

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roseray.layers import fused
+
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
@@ -31,12 +33,16 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class GatedActivation(nn.Module):
-    """act(gate) * up, where the input is the concatenation [gate | up] along the last dim."""
+    """act(gate) * up, where the input is the concatenation [gate | up] along the last dim.
+    SiLU on CUDA is one fused Triton kernel (roseray_kernels.activation)."""
 
     def __init__(self, name: str = "silu") -> None:
         super().__init__()
         self.act = get_activation(name)
+        self.is_silu = self.act is F.silu
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.is_silu and gate_up.dim() == 2 and fused.use_triton(gate_up):
+            return fused.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # each [num_tokens, intermediate_size]
         return self.act(gate) * up

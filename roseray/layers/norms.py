@@ -1,21 +1,42 @@
-"""Normalisation layers: RMSNorm (Llama family) computed in fp32 like Hugging Face."""
+"""Normalisation layers: RMSNorm (Llama family) computed in fp32 like Hugging Face, with the
+residual add of the decoder layer fused in (`norm(x, residual) -> (out, x + residual)`).
+
+On CUDA one Triton kernel does the add and the norm; elsewhere the torch code below does,
+op by op as Hugging Face does (it is also the kernel's test oracle).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from roseray.layers import fused
+
 
 class RMSNorm(nn.Module):
-    """y = weight * (x / sqrt(mean(x^2) + eps)), the statistics in fp32, over the last dim."""
+    """y = weight * (x / sqrt(mean(x^2) + eps)), the statistics in fp32, over the last dim.
+
+    `forward(x)` -> y; `forward(x, residual)` -> (y of x + residual, x + residual): the
+    "add then norm" of a pre-norm decoder layer in one step.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))  # [hidden_size]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if fused.use_triton(x):
+            return fused.rmsnorm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(input_dtype)

@@ -3,6 +3,10 @@
 The cos/sin table is computed once for every position up to max_position_embeddings and
 indexed by each token's position, so a flattened batch of any sequences rotates in one go.
 Supported `rope_scaling` types: default, linear, llama3.
+
+`RotaryEmbedding.rotate_qk` rotates a layer's q and k (after Qwen3's per-head q/k norm when
+given): on CUDA one in-place Triton launch that reads the fp32 table by position
+(roseray_kernels.rotary), elsewhere the torch code below.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import math
 
 import torch
 from torch import nn
+
+from roseray.layers import fused
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -64,6 +70,25 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [num_tokens] -> their cos|sin rows [num_tokens, head_dim], gathered once per step."""
         return self.cos_sin_cache[positions]
+
+    def rotate_qk(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]; a view of the qkv projection is fine
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        q_norm: nn.Module | None = None,  # RMSNorm(head_dim) of each head before the rotation (Qwen3)
+        k_norm: nn.Module | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, k) normalised (when norms are given) and rotated. The Triton path works in
+        place and returns q and k themselves; the torch path returns new tensors."""
+        if fused.use_triton(q):
+            weights = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else (None, None, 1e-6)
+            fused.rotary_qk_(q, k, positions, self.cos_sin_cache, *weights)
+            return q, k
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        cos_sin = self(positions).to(q.dtype)  # [num_tokens, head_dim]
+        return apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
 
 
 def apply_rotary(

@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from roseray.config import ModelConfig
 from roseray.layers.activation import get_activation
 from roseray.layers.attention import Attention
 from roseray.layers.linear import WeightEntry, load_weight_entries
+from roseray.layers.vocab import vocab_logits, vocab_parameter
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _SKIPPED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old checkpoints
@@ -62,7 +62,8 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size,
+                                _weight=vocab_parameter(config.vocab_size, config.hidden_size))
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -85,8 +86,9 @@ class GPT2ForCausalLM(nn.Module):
         return self.transformer(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 (lm_head tied to wte)."""
-        return F.linear(hidden, self.transformer.wte.weight).float()
+        """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 (lm_head tied to wte; a view
+        of logits over 50304 padded rows for GPT-2's 50257: see roseray.layers.vocab)."""
+        return vocab_logits(hidden, self.transformer.wte.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weight_entries(self, self._entries(weights))

@@ -4,6 +4,10 @@ gate|up projections, RoPE by position index.
 
 Parameter names mirror Hugging Face's, so loading only maps q/k/v and gate/up onto the
 fused projections.
+
+On CUDA a layer runs two fused add+RMSNorm kernels, one kernel for q/k norm + RoPE and one
+for SiLU-and-mul around its matmuls and attention (roseray_kernels, via roseray.layers);
+on CPU the same layers run their torch code.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ import re
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from roseray.config import ModelConfig
@@ -20,7 +23,8 @@ from roseray.layers.activation import GatedActivation
 from roseray.layers.attention import Attention
 from roseray.layers.linear import MergedLinear, WeightEntry, load_weight_entries
 from roseray.layers.norms import RMSNorm
-from roseray.layers.rotary import RotaryEmbedding, apply_rotary
+from roseray.layers.rotary import RotaryEmbedding
+from roseray.layers.vocab import vocab_logits, vocab_parameter
 
 # Hugging Face projection name -> (fused projection, shard index).
 _FUSED = {
@@ -35,7 +39,7 @@ _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cach
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads,
@@ -48,21 +52,18 @@ class LlamaAttention(nn.Module):
             config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
 
-    def forward(self, cos_sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.contiguous())
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        q, k = self.rotary_emb.rotate_qk(positions, q, k, self.q_norm, self.k_norm)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
         return self.o_proj(out)
 
 
@@ -78,34 +79,47 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Pre-norm block. The residual stream travels beside the hidden states: each norm adds
+    the previous sub-block's output to it and normalises the sum in one step."""
+
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, cos_sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's MLP output (the embeddings for the first layer, with no
+        residual yet) -> (this layer's MLP output, the residual stream before it)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=vocab_parameter(config.vocab_size, config.hidden_size))
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        cos_sin = self.rotary_emb(positions).to(hidden.dtype)  # [num_tokens, head_dim], cast once for all layers
+        residual = None
         for layer in self.layers:
-            hidden = layer(cos_sin, hidden)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,17 +127,20 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = model_config
         self.model = LlamaModel(model_config)
-        self.lm_head = nn.Linear(model_config.hidden_size, model_config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(model_config.hidden_size, model_config.vocab_size, bias=False, device="meta")
         if model_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head.weight = vocab_parameter(model_config.vocab_size, model_config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 (a view of padded logits
+        when the vocabulary is not a multiple of 64: see roseray.layers.vocab)."""
+        return vocab_logits(hidden, self.lm_head.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weight_entries(self, self._entries(weights))
