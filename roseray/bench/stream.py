@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 
 import numpy as np
@@ -80,11 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval in seconds: how long a thread may hold the GIL while the "
+                             "engine thread waits for it (Python's default is 0.005)")
     parser.add_argument("--peer-hf", action="store_true",
                         help="also run transformers' continuous batching on the same workload (GPU)")
     parser.add_argument("--out", default=None, help="write JSON here")
     args = parser.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     result = run_seed(args.model, args.num_requests, {"enforce_eager": args.enforce_eager, "device": args.device})
+    result["switch_interval_s"] = sys.getswitchinterval()
     rows = [("throughput", f"{result['throughput_tok_s']:,.0f} completion tok/s"),
             ("wall", f"{result['wall_s']:.3f} s")]
     for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
