@@ -486,7 +486,8 @@ def check_run(run: LocustRun, path: str = "/v1/completions") -> dict:
             assert m[metric]["count"] > 0 and m[metric]["p50"] > 0 and m[metric]["min"] >= 0, (name, metric)
         ttft, e2e = samples[f"{name}/ttft"], samples[f"{name}/e2e"]
         itl, output = samples[f"{name}/itl"], samples[f"{name}/output_tokens"]
-        assert (ttft > 0).all() and (ttft < e2e).all() and (e2e < 60).all()
+        # TTFT = E2E only when all of a request's chunks came in one read (seen on a loaded CPU host)
+        assert (ttft > 0).all() and (ttft <= e2e).all() and (ttft < e2e).mean() > 0.5 and (e2e < 60).all()
         assert itl.max() < e2e.max() and itl.sum() == pytest.approx((e2e - ttft).sum())
         # tokens: every output has its ignore_eos length, and the chunks carried exactly usage's count
         assert ((output >= 8) & (output <= 24)).all()
