@@ -1,0 +1,111 @@
+"""RMSNorm with an optional fused residual add: one launch per norm instead of the ~8
+elementwise and reduce kernels of the torch expression.
+
+    out = rmsnorm(x, weight, eps)                         # out = norm(x) * weight
+    out, residual = rmsnorm(x, weight, eps, residual)     # residual = x + residual; out = norm(residual) * weight
+
+Rounding follows Hugging Face's `LlamaRMSNorm` (and `residual + hidden` before it) step by
+step, so the kernel and the torch reference agree to the last bit but for the order of the
+sum of squares: the residual sum is rounded to the activation dtype, the statistics are fp32,
+`x * rstd` is rounded to the activation dtype before the weight multiplies it, and the output
+has the input's dtype.
+
+Rows are the leading dims flattened (`[num_tokens, hidden]`, or `[num_tokens * num_heads,
+head_dim]` for Qwen3's per-head q/k norm); x may have a row stride (a view), the outputs are
+new contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _rmsnorm_kernel(
+    x_ptr,  # [num_rows, HIDDEN], row stride stride_x
+    residual_ptr,  # [num_rows, HIDDEN], row stride stride_res (unused without HAS_RESIDUAL)
+    weight_ptr,  # [HIDDEN]
+    out_ptr,  # [num_rows, HIDDEN] contiguous
+    residual_out_ptr,  # [num_rows, HIDDEN] contiguous: x + residual
+    num_rows,
+    stride_x,
+    stride_res,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next power of two of HIDDEN
+    ROWS: tl.constexpr,  # rows per program
+    HAS_RESIDUAL: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    col_ok = cols < HIDDEN
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        res = tl.load(residual_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)  # rounded like torch's `x + residual`
+        tl.store(residual_out_ptr + rows[:, None] * HIDDEN + cols[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HIDDEN + eps)  # [ROWS]
+    normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], (normed * weight[None, :]).to(dtype), mask=mask)
+
+
+def _launch_shape(hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_H, rows per program, num_warps): about 1-2k elements per program, 16 bytes per thread."""
+    block_h = triton.next_power_of_2(hidden)
+    rows = max(1, min(16, 1024 // block_h))
+    elements = block_h * rows
+    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+    return block_h, rows, num_warps
+
+
+def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """t as [num_rows, hidden] with unit column stride, a view when the layout allows."""
+    t2 = t.reshape(-1, hidden)
+    return t2 if t2.stride(1) == 1 else t2.contiguous()
+
+
+def rmsnorm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # same shape as x
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) * weight; with `residual`, (norm(x + residual) * weight, x + residual). One launch."""
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,), (weight.shape, x.shape)
+    x2 = _rows(x, hidden)
+    num_rows = x2.shape[0]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        res2, residual_out = x2, out  # unused by the kernel
+    else:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype, x.dtype)
+        res2 = _rows(residual, hidden)
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_rows:
+        block_h, rows, num_warps = _launch_shape(hidden)
+        _rmsnorm_kernel[(triton.cdiv(num_rows, rows),)](
+            x2, res2, weight, out, residual_out, num_rows, x2.stride(0), res2.stride(0), eps,
+            HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        )
+    return out if residual is None else (out, residual_out)
+
+
+def rmsnorm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference, Hugging Face's LlamaRMSNorm after `x + residual` (the CPU path and the oracle)."""
+    if residual is not None:
+        x = x + residual
+    input_dtype = x.dtype
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    out = weight * normed.to(input_dtype)
+    return out if residual is None else (out, x)

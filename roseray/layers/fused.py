@@ -1,0 +1,47 @@
+"""Where the layers use roseray_kernels' fused Triton kernels: on CUDA tensors (on CPU only
+inside `fused_kernels(True)`: tests, under TRITON_INTERPRET=1). Everywhere else the layers
+run their torch code, the reference the kernels are tested against.
+
+The choice is made per call from the tensor's device (a Python branch, so a CUDA graph
+captures the kernel path); Triton stays optional where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+try:
+    from roseray_kernels.activation import silu_and_mul
+    from roseray_kernels.fused_norm import rmsnorm
+    from roseray_kernels.rotary import rotary_qk_
+    from roseray_kernels.sampling import gumbel_max_sample
+
+    HAVE_TRITON = True
+except ImportError:  # Triton is not installed (not Linux): the torch paths need none
+    silu_and_mul = rmsnorm = rotary_qk_ = gumbel_max_sample = None
+    HAVE_TRITON = False
+
+__all__ = ["HAVE_TRITON", "gumbel_max_sample", "rmsnorm", "rotary_qk_", "silu_and_mul", "fused_kernels",
+           "use_triton"]
+
+_OVERRIDE: bool | None = None  # set by fused_kernels(): True/False everywhere, None = CUDA tensors only
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return HAVE_TRITON and (x.is_cuda if _OVERRIDE is None else _OVERRIDE)
+
+
+@contextlib.contextmanager
+def fused_kernels(enabled: bool) -> Iterator[None]:
+    """Inside: the layers use the Triton kernels for every tensor (enabled; on CPU that needs
+    TRITON_INTERPRET=1 before Triton is imported: tests) or for none (the torch path on CUDA:
+    benchmarks' baseline)."""
+    global _OVERRIDE
+    previous, _OVERRIDE = _OVERRIDE, enabled
+    try:
+        yield
+    finally:
+        _OVERRIDE = previous
