@@ -15,12 +15,13 @@ Arrivals: --arrival poisson (default) sends requests at Poisson times of --reque
 per second, shared by all users and all --processes; -u only caps how many are in flight
 (set it above rate x E2E). --arrival closed: each user sends its next request as soon as
 the previous one ends. Request k's arrival time, prompt and output length depend only on
---seed and k.
+--seed and k; --long-prompt-every N gives every N-th request a long prompt (a skewed mix).
 
 At the end (test stop) locust's processes send their exact samples to the master, and
 the master (or the single process) writes <report-dir>/summary.json, itl_cdf.png and
 itl_over_time.png (see roseray/bench/locust_report.py). Requests in flight when the run
 stops are allowed --drain-timeout seconds to finish, so long requests are not dropped.
+`python -m roseray.bench.locust_report runs/*/summary.json` tabulates several runs.
 """
 
 from __future__ import annotations
