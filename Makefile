@@ -21,10 +21,11 @@ install: $(BIN)/python
 
 install-test: $(BIN)/python
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q "$(TORCH)" -e ".[serve,test]"
+	$(PIP) install -q "$(TORCH)" -e ".[serve,test,bench]"
 
+# HAProxy-mode flags must be in Ray's environment when it starts (roseray.serve.haproxy_env).
 serve: install
-	RAY_SERVE_ENABLE_HA_PROXY=1 $(BIN)/serve run serve_config.yaml
+	eval "$$($(BIN)/python -m roseray.serve.haproxy_env)" && $(BIN)/serve run serve_config.yaml
 
 standalone: install
 	$(BIN)/roseray serve --model random:tiny

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from roseray.config import EngineConfig
@@ -29,6 +30,8 @@ ENGINE_ARG_HELP = {
     "max_waiting_requests": "queue limit; the server answers 429 past it",
     "max_logprobs": "largest logprobs a request may ask for",
     "cuda_graph_max_batch_size": "largest decode batch captured in a CUDA graph",
+    "async_scheduling": "launch step N+1 before processing step N's tokens, overlapping host work with the GPU "
+                        "(default: on for CUDA)",
     "revision": "model revision in the HF cache",
     "trust_remote_code": "unused: roseray runs its own model code only",
 }
@@ -39,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         help_text = ENGINE_ARG_HELP.get(f.name, "")
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool, "bool | None"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
@@ -76,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: $ROSERAY_API_KEY if set)")
     serve.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     serve.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds running requests get to finish on shutdown; new ones get 503 meanwhile")
     add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, stream, kernels, step-overhead",
@@ -95,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
-        from roseray.server.api import run_standalone
+        from roseray.server.standalone import run_standalone  # FastAPI/uvicorn only when serving
 
-        run_standalone(engine_config_from_args(args), host=args.host, port=args.port, api_key=args.api_key,
-                       served_model_name=args.served_model_name, log_prompts=args.log_prompts)
+        api_key = args.api_key or os.environ.get("ROSERAY_API_KEY") or None
+        run_standalone(engine_config_from_args(args), host=args.host, port=args.port, api_key=api_key,
+                       served_model_name=args.served_model_name, log_prompts=args.log_prompts,
+                       drain_timeout_s=args.drain_timeout)
         return 0
     return 2
 
