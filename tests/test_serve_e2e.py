@@ -212,14 +212,26 @@ def test_nearly_full_kv_and_long_queue_steer_requests(cluster):
     try:
         # 1000 + 1040 tokens: 63 of 130 blocks held from the first step, 128 at the end
         big = open_stream("a" * 1000, 1040)
-        smalls = {open_stream("b" * 20, 700) for _ in range(2)}  # (20 + 700) / 16 = 45 blocks each at most
-        assert smalls.isdisjoint({big}) and len(smalls) == 1, (big, smalls)
+        # two small requests on the other replica, Y: (20 + 700) / 16 = 45 blocks each at most. The Router
+        # sends them there (X's free blocks, both queues) unless a stats snapshot of X lands between the
+        # big request's pick and its arrival, which a starved CI machine can stretch; then try again.
+        smalls = set()
+        for _ in range(6):
+            replica = open_stream("b" * 20, 700)
+            if replica != big:
+                smalls.add(replica)
+            else:
+                streams.pop()[0].__exit__(None, None, None)
+                time.sleep(STATS_PERIOD_S)
+            if len(streams) == 3:  # the big one and two small ones
+                break
+        assert len(streams) == 3 and len(smalls) == 1, (big, smalls)
         time.sleep(4 * STATS_PERIOD_S)  # fresh snapshots of both replicas, taken after the picks reached them
         # 20 + 1100 tokens = 70 blocks: more than X has left, fewer than Y has; X has the shorter queue
         assert open_stream("c" * 20, 1100) in smalls
         metrics = engine_metrics(cluster)
-        assert metrics[big]["roseray:num_requests_running"] == 1, "the big request ended before the test did"
-        assert metrics[next(iter(smalls))]["roseray:num_requests_running"] == 3
+        assert metrics[big]["roseray:num_requests_running"] >= 1, "the big request ended before the test did"
+        assert metrics[next(iter(smalls))]["roseray:num_requests_running"] >= 3
     finally:
         for cm, _ in streams:
             cm.__exit__(None, None, None)  # disconnect mid-stream

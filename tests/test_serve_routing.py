@@ -121,6 +121,10 @@ def test_hint_from_body_estimates_blocks_and_chains_prefixes():
     assert not set(hint_from_body(other, None, config).prefix_hashes) & set(hint.prefix_hashes)
     completion = hint_from_body(json.dumps({"prompt": "z" * 40}).encode(), None, config)
     assert completion.need_blocks == 3 and len(completion.prefix_hashes) == 5
+    token_ids = hint_from_body(json.dumps({"prompt": list(range(1, 201)), "max_tokens": 40}).encode(), None, config)
+    assert token_ids.need_blocks == 15 and len(token_ids.prefix_hashes) == 3  # 240 tokens; 64 ids per block
+    assert hint_from_body(json.dumps({"prompt": [list(range(1, 201))], "max_tokens": 40}).encode(), None,
+                          config) == token_ids
 
 
 def test_hint_without_a_body_or_with_a_session():

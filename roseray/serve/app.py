@@ -15,7 +15,7 @@ FastAPI must see the real `Request` annotation of the route methods, not a strin
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Literal
 
 import ray
 from fastapi import FastAPI, Request
@@ -116,8 +116,8 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     engine: dict[str, Any] = Field(default_factory=dict)  # roseray.config.EngineConfig fields
-    num_replicas: int | str = "auto"  # "auto": one per GPU in the cluster, or 1 without GPUs
-    num_gpus_per_replica: float | str = "auto"  # "auto": 1 when the cluster has GPUs, else 0
+    num_replicas: int | Literal["auto"] = "auto"  # "auto": one per GPU in the cluster, or 1 without GPUs
+    num_gpus_per_replica: float | Literal["auto"] = "auto"  # "auto": 1 when the cluster has GPUs, else 0
     num_cpus_per_replica: float = 1.0
     served_model_name: str | None = None
     api_key: str | None = None
@@ -156,7 +156,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_waiting_requests + 64,
         graceful_shutdown_timeout_s=app_args.drain_timeout_s + 5,
         health_check_period_s=5.0,
-        health_check_timeout_s=app_args.stuck_after_s + 30,
+        health_check_timeout_s=30.0,
         request_router_config=RequestRouterConfig(
             request_router_class=KVQueueRequestRouter,
             request_router_kwargs={"affinity_max_imbalance": app_args.router.affinity_max_imbalance},

@@ -70,37 +70,39 @@ def _chain(parts: Iterable[bytes]) -> tuple[int, ...]:
 def hint_from_body(body: bytes, session_id: str | None, config: HintConfig) -> RoutingHint:
     """A RoutingHint from the (possibly truncated) OpenAI body HAProxy forwarded, or from
     a session id; the default hint when neither says anything."""
-    data: Any = None
-    if body:
-        try:
-            data = json.loads(body)
-        except ValueError:
-            data = None
-    text = ""
-    max_tokens = 0
-    if isinstance(data, dict):
-        if isinstance(data.get("messages"), list):
-            text = "".join(f"<{m.get('role', '')}>{_content_text(m.get('content'))}"
-                           for m in data["messages"] if isinstance(m, dict))
-        elif isinstance(data.get("prompt"), str):
-            text = data["prompt"]
-        elif isinstance(data.get("prompt"), list):
-            text = json.dumps(data["prompt"])
-        for key in ("max_completion_tokens", "max_tokens"):
-            if isinstance(data.get(key), int) and data[key] > 0:
-                max_tokens = data[key]
-                break
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:  # not JSON, or cut by HAProxy's buffer
+        data = None
+    if not isinstance(data, dict):
+        data = {}
+    raw, size, prompt_tokens = _prompt_bytes(data, config)
+    max_tokens = next((data[key] for key in ("max_completion_tokens", "max_tokens")
+                       if isinstance(data.get(key), int) and data[key] > 0), 0)
     prefix_hashes: tuple[int, ...] = ()
     if session_id:
         prefix_hashes = _chain([b"session:" + session_id.encode()])
-    elif text:
-        raw = text.encode()
-        size = config.affinity_block_chars
+    elif raw:
         blocks = [raw[i:i + size] for i in range(0, len(raw) - size + 1, size)][: config.max_affinity_blocks]
         prefix_hashes = _chain(blocks)
-    prompt_tokens = math.ceil(len(text) / config.chars_per_token) if text else 0
     need_blocks = max(1, math.ceil((prompt_tokens + max_tokens) / config.block_size))
     return RoutingHint(need_blocks=need_blocks, prefix_hashes=prefix_hashes)
+
+
+def _prompt_bytes(data: dict, config: HintConfig) -> tuple[bytes, int, int]:
+    """(prompt as bytes, bytes per affinity block, estimated prompt tokens)."""
+    if isinstance(data.get("messages"), list):
+        text = "".join(f"<{m.get('role', '')}>{_content_text(m.get('content'))}"
+                       for m in data["messages"] if isinstance(m, dict))
+        return text.encode(), config.affinity_block_chars, math.ceil(len(text) / config.chars_per_token)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt.encode(), config.affinity_block_chars, math.ceil(len(prompt) / config.chars_per_token)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):  # token ids: 64 per block
+        return b"".join((t & 0xFFFFFFFF).to_bytes(4, "little") for t in prompt), 256, len(prompt)
+    return b"", 1, 0
 
 
 def _content_text(content: Any) -> str:
