@@ -86,7 +86,7 @@ class OpenAIServer:
         self.log_requests = log_requests
         self.log_prompts = log_prompts  # off by default: prompts are user data
         self.metrics = ServerMetrics(model_name, lambda: engine.stats)
-        self.token_text = TokenText(tokenizer.decode)
+        self.token_text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
         self.created = int(time.time())
 
     # ---- probes and listings --------------------------------------------------------------------
@@ -127,7 +127,8 @@ class OpenAIServer:
             if isinstance(body, ChatCompletionRequest):
                 text = self.tokenizer.apply_chat_template(body.template_messages(),
                                                           add_generation_prompt=body.add_generation_prompt)
-                return self.tokenizer.encode(text), params
+                # the template already holds any BOS the model wants
+                return self.tokenizer.encode(text, add_special_tokens=False), params
             prompt = body.single_prompt()
             return (self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)), params
         except UnsupportedFieldError as error:
