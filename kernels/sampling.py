@@ -143,9 +143,10 @@ def gumbel_max_sample(
 ) -> torch.Tensor:
     """One token per row, [num_rows] int64: Gumbel-max at each row's temperature, argmax at 0.
 
-    The tokens depend on the logits, temperatures and seed only, not on the tiling (`block`
-    columns per step, `rows_per_program`). Defaults: BLOCK and one row on CUDA; on CPU, where
-    only the interpreter runs it, one block over the (tiny) vocabulary and many rows."""
+    For a given `block` (columns per loop step) the tokens depend on the logits, temperatures
+    and seed only, not on how rows and columns are split over programs. Defaults: BLOCK and
+    one row per program on CUDA; on CPU, where only the interpreter runs it, one block over
+    the (tiny) vocabulary and many rows per program."""
     assert logits.dim() == 2 and logits.stride(1) == 1, (logits.shape, logits.stride())
     assert temperatures.dtype == torch.float32 and temperatures.shape == (logits.shape[0],)
     assert seed.dtype == torch.int64 and seed.numel() == 1

@@ -150,9 +150,14 @@ def test_top_k_and_min_p_exclude_and_plain_sampling_follows_softmax():
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA")])]
-# (device, fused): the torch path and the Triton Gumbel-max path (interpreted on CPU); CUDA's default is fused.
-DEVICE_PATHS = [("cpu", False), ("cpu", True), pytest.param("cuda", None, marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
+# (device, fused): the torch path and the Triton Gumbel-max path (interpreted on CPU, which only
+# a machine without CUDA sets up: conftest.py).
+DEVICE_PATHS = [("cpu", False),
+                pytest.param("cpu", True, marks=pytest.mark.skipif(
+                    torch.cuda.is_available(), reason="the Triton interpreter is set up only without CUDA")),
+                *[pytest.param("cuda", fused, marks=[pytest.mark.gpu, pytest.mark.skipif(
+                    not torch.cuda.is_available(), reason="needs CUDA")]) for fused in (False, True)]]
+FUSED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the fused-path tests run
 
 
 def step_logits(step: int, vocab_size: int = 500) -> torch.Tensor:
@@ -209,7 +214,7 @@ def test_seeded_requests_give_the_same_tokens_alone_and_in_any_batch(device, fus
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_unseeded_sampler_seed_makes_runs_repeatable(fused):
-    logits = random_logits(16, 300, seed=3)
+    logits = random_logits(16, 300, seed=3).to(FUSED_DEVICE if fused else "cpu")
     requests = [make_request(SamplingParams()) for _ in range(16)]
     first = Sampler(seed=9, fused=fused)(logits, requests).token_ids
     assert first == Sampler(seed=9, fused=fused)(logits, requests).token_ids
@@ -221,7 +226,7 @@ def test_unseeded_sampler_seed_makes_runs_repeatable(fused):
 
 def test_fused_path_plain_sampling_follows_softmax_over_temperature():
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
-    logits = probs.log().expand(4000, -1).contiguous()
+    logits = probs.log().expand(4000, -1).contiguous().to(FUSED_DEVICE)
     temperature = 0.6
     requests = [make_request(SamplingParams(temperature=temperature)) for _ in range(4000)]
     counts = Counter(Sampler(seed=2, fused=True)(logits, requests).token_ids)
@@ -244,6 +249,7 @@ def test_fused_path_keeps_greedy_rows_exact_and_merges_the_other_rows():
     ]
     logits[2, 10], logits[2, 11] = 50.0, 49.9
     logits[6, EOS] = 50.0  # would always win without min_tokens
+    logits = logits.to(FUSED_DEVICE)
     fused, reference = Sampler(seed=0, fused=True), Sampler(seed=0, fused=False)
     argmax = logits.argmax(dim=-1).tolist()
     sampled_differ = 0
@@ -252,9 +258,9 @@ def test_fused_path_keeps_greedy_rows_exact_and_merges_the_other_rows():
         want = reference(logits, requests)
         assert out.token_ids[0] == argmax[0] and out.token_ids[4] == argmax[4]
         assert out.token_ids[2] == want.token_ids[2] == 11  # the penalty applied
-        assert out.token_ids[5] in set(logits[5].topk(2).indices.tolist())
+        assert out.token_ids[5] in set(logits[5].cpu().topk(2).indices.tolist())
         assert out.token_ids[6] != EOS
-        raw = logits[3].log_softmax(dim=-1)
+        raw = logits[3].cpu().log_softmax(dim=-1)
         assert list(out.logprobs[3])[:3] == raw.topk(3).indices.tolist()
         assert out.sampled_logprobs[3] == pytest.approx(float(raw[out.token_ids[3]]))
         assert all(out.logprobs[row] is None for row in (0, 1, 2, 4, 5, 6, 7))
@@ -352,13 +358,11 @@ def test_one_device_to_host_sync_per_call_on_gpu():
         make_request(SamplingParams(temperature=0.5, top_k=10)),
         make_request(SamplingParams(temperature=0.0, logprobs=0, frequency_penalty=1.0), output=[9]),
     ]
-    sampler = Sampler(seed=0)
-    sampler(logits, requests)  # warm-up: generators, pinned memory pool
-    torch.cuda.synchronize()
     plain = [make_request(SamplingParams(temperature=0.6)), make_request(SamplingParams(temperature=0.0))]
-    sampler(logits[:2], plain)  # warm-up of the fused Gumbel-max kernel
-    torch.cuda.synchronize()
-    for batch in (requests, requests[:1], requests[1:2], plain, plain[:1] + requests[1:]):
+    for sampler, batch in [(Sampler(seed=0), b) for b in (requests, requests[:1], requests[1:2])] + [
+            (Sampler(seed=0, fused=True), b) for b in (requests, plain, plain[:1] + requests[1:])]:
+        sampler(logits[: len(batch)], batch)  # warm-up: generators, pinned memory pool, kernels
+        torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -367,7 +371,8 @@ def test_one_device_to_host_sync_per_call_on_gpu():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-        assert len(syncs) == 1, [str(w.message) for w in syncs]
+        # At most the final wait for the host copy (an event wait, which the debug mode may not count).
+        assert len(syncs) <= 1, [str(w.message) for w in syncs]
 
 
 def test_cached_prompt_ids_follow_the_request_not_just_its_id():

@@ -36,6 +36,12 @@ from roseray.layers import fused
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
 SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64)
+# Batches of at least this many logits (rows x vocab) take the fused path by default. Measured on
+# an H100 (scripts/bench_fused_ops.py, 2026-11-21), whole sampler calls at temperature 0.6:
+# 256 x 151936: 1165 us -> 495 us fused; 32 x 151936: 242 us -> 390 us fused. The fused path
+# pays ~250 us more host time per call (not yet pinned down; the kernels themselves take 79 and
+# 18 us against 870 and 133 us of torch ops), so small batches stay on the torch ops.
+FUSED_MIN_ELEMENTS = 2**24
 
 
 @dataclass(slots=True)
@@ -105,7 +111,8 @@ class Sampler:
     """`Sampler()(logits [B, V], requests) -> SamplerOutput`; `seed` fixes the shared generator.
 
     `fused`: sample the plain rows with the Triton Gumbel-max kernel; None (the default) = when
-    the logits are on CUDA. (On CPU the kernel runs only under TRITON_INTERPRET=1: tests.)
+    the logits are on CUDA and hold at least FUSED_MIN_ELEMENTS values. (On CPU the kernel runs
+    only under TRITON_INTERPRET=1: tests.)
     """
 
     def __init__(self, seed: int | None = None, fused: bool | None = None) -> None:
@@ -134,7 +141,10 @@ class Sampler:
         return PendingSample(token_ids, packed, max_top_n, params)
 
     def _uses_fused(self, logits: torch.Tensor) -> bool:
-        wanted = logits.is_cuda if self.fused is None else self.fused
+        if self.fused is None:
+            wanted = logits.is_cuda and logits.numel() >= FUSED_MIN_ELEMENTS
+        else:
+            wanted = self.fused
         return wanted and fused.HAVE_TRITON and logits.stride(1) == 1
 
     def _sample_full(self, logits: torch.Tensor, requests: list[Request],
