@@ -93,8 +93,8 @@ def test_serve_proxy_fallback_is_recognised_by_its_port():
     assert not wiring.came_through_serve_proxy({})
 
 
-def test_haproxy_env_names_flags_serve_reads():
-    env = haproxy_env.haproxy_env("/tmp/roseray-haproxy-canary")
+def test_haproxy_env_names_flags_serve_reads(tmp_path):
+    env = haproxy_env.haproxy_env(str(tmp_path / "hap"))
     for name in env:
         assert hasattr(serve_constants, name), f"Serve no longer reads {name}"
 
