@@ -1,0 +1,109 @@
+"""Issue 4's measurement: W-seed-like requests (128 streams, prompt [15496], 128 greedy
+tokens, ignore_eos) through the in-process AsyncLLMEngine and through HTTP (the same
+FastAPI app served by `roseray serve`, one engine, a separate client process), in one run.
+
+    python scripts/http_vs_inprocess.py [--model random:gpt2] [--out result.json]
+
+Needs aiohttp and the serving dependencies (FastAPI, uvicorn: the GPU host's bundle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+
+from roseray.bench.common import percentiles
+from roseray.bench.stream import run_seed
+
+
+async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, list[float], int]:
+    body = {"model": model, "prompt": [15496], "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    times, tokens = [], 0
+    async with session.post(url, json=body) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if event.get("choices"):
+                times.append(now)
+    return sent, times, tokens
+
+
+async def _clients(port: int, model: str, n: int, max_tokens: int) -> dict:
+    import aiohttp  # the client side only
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*[_one(session, url, model, 8) for _ in range(8)])  # warm-up
+        started = time.perf_counter()
+        results = await asyncio.gather(*[_one(session, url, model, max_tokens) for _ in range(n)])
+    last = max(r[1][-1] for r in results)
+    total = sum(r[2] for r in results)
+    itl = np.concatenate([np.diff(r[1]) for r in results])
+    tpot = [(r[1][-1] - r[1][0]) / (len(r[1]) - 1) for r in results if len(r[1]) > 1]
+    ttft = [r[1][0] - r[0] for r in results]
+    ms = lambda xs: {k: v * 1e3 for k, v in percentiles(xs).items()}  # noqa: E731
+    return {"completion_tokens": total, "wall_s": last - started, "throughput_tok_s": total / (last - started),
+            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl)}
+
+
+def run_http(model: str, n: int, max_tokens: int, port: int) -> dict:
+    server = subprocess.Popen([sys.executable, "-m", "roseray.cli", "serve", "--model", model, "--port", str(port),
+                               "--max-num-seqs", str(n), "--no-enable-prefix-caching"],
+                              stdout=subprocess.DEVNULL, stderr=open(os.environ.get("SERVER_LOG", "/dev/null"), "w"))
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
+                break
+            except Exception:
+                time.sleep(1)
+        else:
+            raise RuntimeError("the server did not become ready")
+        return asyncio.run(_clients(port, model, n, max_tokens))
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="random:gpt2")
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    inproc = run_seed(args.model, args.num_requests, {})
+    http = run_http(args.model, args.num_requests, args.max_tokens, args.port)
+    ratio = http["throughput_tok_s"] / inproc["throughput_tok_s"]
+    itl_over_step = http["itl_ms"]["p50"] / inproc["tpot_ms"]["p50"]
+    result = {"in_process": inproc, "http": http, "http_over_in_process": ratio,
+              "http_itl_p50_over_engine_step": itl_over_step}
+    print(f"in-process {inproc['throughput_tok_s']:,.0f} tok/s (TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms); "
+          f"HTTP {http['throughput_tok_s']:,.0f} tok/s = {ratio:.0%}; HTTP ITL p50 {http['itl_ms']['p50']:.2f} ms "
+          f"= {itl_over_step:.2f}x the engine step; HTTP TTFT p50 {http['ttft_ms']['p50']:.1f} ms, "
+          f"ITL p99 {http['itl_ms']['p99']:.2f} ms")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
