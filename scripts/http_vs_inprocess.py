@@ -69,6 +69,8 @@ def run_http(model: str, n: int, max_tokens: int, port: int) -> dict:
     try:
         deadline = time.time() + 300
         while time.time() < deadline:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited with {server.returncode} (see SERVER_LOG)")
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
                 break
@@ -90,8 +92,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    inproc = run_seed(args.model, args.num_requests, {})
+    # HTTP first: the server process must find the GPU free (each engine sizes its KV
+    # cache from the memory left), and the in-process engine runs after it has exited.
     http = run_http(args.model, args.num_requests, args.max_tokens, args.port)
+    inproc = run_seed(args.model, args.num_requests, {})
     ratio = http["throughput_tok_s"] / inproc["throughput_tok_s"]
     itl_over_step = http["itl_ms"]["p50"] / inproc["tpot_ms"]["p50"]
     result = {"in_process": inproc, "http": http, "http_over_in_process": ratio,
