@@ -28,8 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from roseray.bench import locust_plots
 from roseray.bench.sse_stream import StreamResult
+
+try:  # plots need matplotlib (the bench extra); without it the summary is still written
+    from roseray.bench import locust_plots
+except ImportError:  # pragma: no cover - exercised where matplotlib is absent (the GPU host's bundle)
+    locust_plots = None
 
 PERCENTILES = (50, 90, 95, 99, 99.9)
 SCHEMA = "roseray-locust-report/1"
@@ -292,9 +296,13 @@ def write_report(book: SampleBook, out_dir: str | os.PathLike, summary: dict[str
     itl = {name: book.field("itl", name) * 1e3 for name in sorted(book.replicas)}
     itl_at = {name: book.field("itl_at", name) for name in sorted(book.replicas)}
     title = _plot_title(summary)
-    files["itl_cdf"] = str(locust_plots.plot_itl_cdf(itl, out / "itl_cdf.png", title))
-    files["itl_over_time"] = str(locust_plots.plot_itl_over_time(itl, itl_at, summary["window"]["start"],
-                                                                 out / "itl_over_time.png", title))
+    if locust_plots is not None:
+        files["itl_cdf"] = str(locust_plots.plot_itl_cdf(itl, out / "itl_cdf.png", title))
+        files["itl_over_time"] = str(locust_plots.plot_itl_over_time(itl, itl_at, summary["window"]["start"],
+                                                                     out / "itl_over_time.png", title))
+    else:
+        summary = {**summary, "warnings": [*summary.get("warnings", []),
+                                           "matplotlib is not installed: no plots (pip install -e '.[bench]')"]}
     if save_samples:
         arrays = {f"{name}/{f}": book.field(f, name) for name in book.replicas for f in _FIELDS}
         np.savez_compressed(out / "samples.npz", **arrays)
