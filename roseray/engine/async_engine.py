@@ -10,18 +10,24 @@ an event (no spinning) and wakes every `heartbeat_s` to prove it is alive.
 A stream that is closed early (cancelled handler, client gone) aborts its request;
 the abort is applied at the top of the next iteration, so its KV blocks are free
 within one step.
+
+Preemptions (KV cache full: the newest running request is recomputed later) are counted
+by the scheduler and logged here, at most once per `preemption_log_interval_s`, with the
+number since the last line. `check_integrity()` runs the engine's accounting check on
+the loop thread, between two steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import enum
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
@@ -155,8 +161,12 @@ class AsyncLLMEngine:
     """
 
     def __init__(self, engine: SteppableEngine, *, max_waiting_requests: int, retry_after_s: int = 1,
-                 heartbeat_s: float = 1.0, stuck_after_s: float = 60.0, max_failed_steps: int = 3) -> None:
+                 heartbeat_s: float = 1.0, stuck_after_s: float = 60.0, max_failed_steps: int = 3,
+                 preemption_log_interval_s: float = 10.0) -> None:
         self.engine = engine
+        self.preemption_log_interval_s = preemption_log_interval_s
+        self._preemptions_logged = 0  # num_preemptions_total as of the last preemption log line
+        self._preemption_logged_at = float("-inf")
         self.max_waiting_requests = max_waiting_requests
         self.retry_after_s = retry_after_s
         self.heartbeat_s = heartbeat_s
@@ -220,6 +230,32 @@ class AsyncLLMEngine:
     @property
     def num_active_requests(self) -> int:
         return len(self._streams)
+
+    def run_on_engine_thread(self, fn: Callable[[SteppableEngine], Any]) -> "asyncio.Future":
+        """Run `fn(engine)` on the loop thread between two steps (where the engine may be
+        touched); await the returned future for its result. Without a running loop thread
+        (not started, stopped, dead) `fn` runs here, at once."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._thread is None or not self._thread.is_alive() or self._stop:
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as error:  # noqa: BLE001 - handed to the awaiting caller
+                future.set_exception(error)
+        else:
+            self._commands.append(("call", fn, future))
+            self._wake.set()
+        return asyncio.wrap_future(future)
+
+    async def check_integrity(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """Assert the engine's KV accounting (free + used = total, ref counts equal the block
+        tables, no orphan rows or requests) on the loop thread; returns the block counts."""
+        def check(engine) -> dict[str, int]:
+            engine.check_integrity()
+            s = engine.get_stats()
+            return {"num_free_blocks": s.num_free_blocks, "num_total_blocks": s.num_total_blocks,
+                    "num_running": s.num_running, "num_waiting": s.num_waiting}
+
+        return await asyncio.wait_for(self.run_on_engine_thread(check), timeout_s)
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests, let running ones finish for up to `timeout_s`, abort the rest."""
@@ -322,6 +358,8 @@ class AsyncLLMEngine:
                 num_drained = self._drain_commands(admissions)
                 if not engine.has_unfinished_requests():
                     self.stats = self._snapshot(num_steps)
+                    if self.stats.num_preemptions_total != self._preemptions_logged:
+                        self._log_preemptions(self.stats)  # the rest of a burst, once its interval is over
                     if admissions or num_drained:
                         self._hand_off(admissions, [], self.stats, num_drained)
                         continue
@@ -332,15 +370,41 @@ class AsyncLLMEngine:
                 num_steps += 1
                 self._count_failed_step(deltas)
                 self.stats = self._snapshot(num_steps)
+                if self.stats.num_preemptions_total != self._preemptions_logged:
+                    self._log_preemptions(self.stats)
                 self._hand_off(admissions, deltas, self.stats, num_drained)
         except BaseException as error:  # noqa: BLE001 - the loop must report any failure
             logger.exception("engine loop died")
             self.dead_error = error
             self._state = LoopState.DEAD
+            self._run_pending_calls()
             self._call_loop(self._on_dead, error)
             return
+        self._run_pending_calls()
         if self._loop is not None:
             self._call_loop(self._on_dead, EngineUnavailableError("the engine was stopped"))
+
+    def _run_pending_calls(self) -> None:
+        """The loop is ending: answer the run_on_engine_thread calls it will never reach."""
+        for command in list(self._commands):
+            if command[0] == "call":
+                _, fn, future = command
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.engine))
+                    except BaseException as error:  # noqa: BLE001
+                        future.set_exception(error)
+
+    def _log_preemptions(self, stats: AsyncEngineStats) -> None:
+        now = time.monotonic()
+        if now - self._preemption_logged_at < self.preemption_log_interval_s:
+            return
+        new = stats.num_preemptions_total - self._preemptions_logged
+        self._preemptions_logged, self._preemption_logged_at = stats.num_preemptions_total, now
+        logger.warning("KV cache full: %d request(s) preempted (recomputed later) since the last report, "
+                       "%d in total; %d running, %d waiting, %d of %d blocks free", new,
+                       stats.num_preemptions_total, stats.num_running, stats.num_waiting, stats.num_free_blocks,
+                       stats.num_total_blocks)
 
     def _count_failed_step(self, deltas: list[RequestDelta]) -> None:
         error = getattr(self.engine, "last_error", None)
@@ -362,6 +426,18 @@ class AsyncLLMEngine:
                     admissions.append((request_id, None))
                 except ValueError as error:
                     admissions.append((request_id, error))
+                except Exception as error:  # noqa: BLE001 - one bad request must not end the loop
+                    logger.exception("add_request failed")
+                    engine.abort_request(request_id)  # in case it got in before failing
+                    admissions.append((request_id, EngineRequestError(
+                        f"the engine could not take this request ({type(error).__name__})")))
+            elif command[0] == "call":
+                _, fn, future = command
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(engine))
+                    except BaseException as error:  # noqa: BLE001 - handed to the awaiting caller
+                        future.set_exception(error)
             else:
                 engine.abort_request(command[1])
         return num_adds

@@ -14,6 +14,7 @@ FastAPI must see the real `Request` annotation of the route methods, not a strin
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Literal
 
@@ -31,6 +32,9 @@ from roseray.serve import wiring
 from roseray.serve.routing import HintConfig, KVQueueRequestRouter, hint_from_body
 from roseray.serve.ticket import REQUEST_ID_HEADER, TICKET_HEADER, TicketSigner, new_secret
 from roseray.server.api import create_app
+from roseray.server.body_limit import DEFAULT_MAX_BODY_BYTES
+
+API_KEY_ENV = "ROSERAY_API_KEY"
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +46,21 @@ class EngineDeployment:
 
     def __init__(self, engine_config: dict, ticket_secret: str, served_model_name: str | None = None,
                  api_key: str | None = None, drain_timeout_s: float = 30.0, stuck_after_s: float = 60.0,
-                 log_requests: bool = False) -> None:
+                 log_requests: bool = False, cors_origins: list[str] | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.engine = AsyncLLMEngine.from_engine_config(EngineConfig(**engine_config), stuck_after_s=stuck_after_s)
         self.engine.start()
         self.tickets = TicketSigner(ticket_secret)
         context = serve.get_replica_context()
         self.replica_name = f"{context.deployment}#{context.replica_id.unique_id}"
         llm = self.engine.engine
+        # the key may come from the replica's environment (runtime_env env_vars, the node's env), which keeps
+        # it out of the Serve config that the dashboard and `serve status` show
+        api_key = api_key or os.environ.get(API_KEY_ENV) or None
         self._app_kwargs = dict(model_name=served_model_name or llm.model_name, max_model_len=llm.max_model_len,
                                 replica_name=self.replica_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
-                                log_requests=log_requests)
+                                log_requests=log_requests, max_logprobs=llm.config.max_logprobs,
+                                cors_origins=tuple(cors_origins or ()), max_body_bytes=max_body_bytes)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_app(self.engine, self.engine.engine.tokenizer, request_guard=self._check_ticket,
@@ -70,6 +79,11 @@ class EngineDeployment:
 
     def check_health(self) -> None:
         self.engine.check_health()
+
+    async def check_integrity(self) -> dict[str, Any]:
+        """The engine's KV accounting check, run between two steps (through a DeploymentHandle:
+        operators and tests; not an HTTP route). Raises if the accounting is broken."""
+        return {"replica": self.replica_name, **await self.engine.check_integrity()}
 
 
 @serve.deployment(name="Router")
@@ -120,7 +134,9 @@ class AppArgs(BaseModel):
     num_gpus_per_replica: float | Literal["auto"] = "auto"  # "auto": 1 when the cluster has GPUs, else 0
     num_cpus_per_replica: float = 1.0
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_key: str | None = None  # or ROSERAY_API_KEY in the engine replicas' environment (kept out of this config)
+    cors_origins: list[str] = Field(default_factory=list)  # browser origins allowed to call the API; none by default
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)  # larger request bodies get 413
     ticket_secret: str | None = None  # shared by Router and Engine; random per build when unset
     drain_timeout_s: float = 30.0
     stuck_after_s: float = 60.0  # check_health fails when the engine loop makes no progress this long
@@ -164,7 +180,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             request_routing_stats_timeout_s=max(1.0, 2 * app_args.router.stats_period_s),
         ),
     ).bind(dataclasses.asdict(engine_config), secret, app_args.served_model_name, app_args.api_key,
-           app_args.drain_timeout_s, app_args.stuck_after_s, app_args.log_requests)
+           app_args.drain_timeout_s, app_args.stuck_after_s, app_args.log_requests, app_args.cors_origins,
+           app_args.max_body_bytes)
     router = RouterDeployment.options(
         num_replicas=app_args.router.num_replicas, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000,

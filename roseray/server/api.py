@@ -3,7 +3,11 @@
 POST /v1/completions, /v1/chat/completions (SSE streaming or whole), GET /v1/models,
 /health (liveness), /ready, /metrics. Each streamed request costs one SSE write per
 engine step. A client that goes away closes its RequestStream, which aborts the request
-in the engine. Prompt text is never logged.
+in the engine. Prompt text is never logged unless `log_prompts` is set.
+
+Around the routes, outermost first: the replica header on every response; CORS (only
+when origins are configured: a browser on another origin gets nothing otherwise); the
+API key (before any body is read); the body size limit (413).
 """
 
 from __future__ import annotations
@@ -13,22 +17,29 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Sequence
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from roseray.engine.async_engine import (AsyncLLMEngine, EngineUnavailableError, QueueFullError, RequestStream)
 from roseray.sampling_params import SamplingParams
 from roseray.server.auth import ApiKeyMiddleware
+from roseray.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from roseray.server.errors import APIError, error_body, install_error_handlers, param_of
 from roseray.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from roseray.server.openapi import (PROBE_RESPONSES, READ_RESPONSES, ChatCompletionChunk, ChatCompletionResponse,
+                                    CompletionChunk, CompletionResponse, ModelCard, ModelList, Status,
+                                    completion_responses, install_openapi)
 from roseray.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from roseray.server.responses import SSE_DONE, ResponseBuilder, TokenText, sse_event
 
 logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-roseray-replica"
+RETRY_AFTER_UNAVAILABLE_S = 1  # a draining or starting replica: another replica (or this one, soon) will answer
+ENGINE_ERROR_MESSAGE = "the engine failed while generating this request"
 _PARAM_NAMES = frozenset(f for f in SamplingParams.__dataclass_fields__) | {"prompt", "messages"}
 
 # Checks a request before it may generate; returns why it is refused (503 + Retry-After:
@@ -77,11 +88,12 @@ class OpenAIServer:
 
     def __init__(self, engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_len: int | None,
                  request_guard: RequestGuard | None = None, log_requests: bool = False,
-                 log_prompts: bool = False) -> None:
+                 log_prompts: bool = False, max_logprobs: int | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs  # the engine's max_logprobs (SamplingParams caps at MAX_LOGPROBS)
         self.request_guard = request_guard
         self.log_requests = log_requests
         self.log_prompts = log_prompts  # off by default: prompts are user data
@@ -129,12 +141,30 @@ class OpenAIServer:
                                                           add_generation_prompt=body.add_generation_prompt)
                 # the template already holds any BOS the model wants
                 return self.tokenizer.encode(text, add_special_tokens=False), params
+            if self.max_logprobs is not None and params.logprobs is not None and params.logprobs > self.max_logprobs:
+                name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+                raise UnsupportedFieldError(name, f"{name} must be at most {self.max_logprobs} on this server, "
+                                                  f"got {params.logprobs}")
             prompt = body.single_prompt()
             return (self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)), params
         except UnsupportedFieldError as error:
             raise APIError(400, str(error), param=error.param) from None
+        except UnicodeError:  # a lone surrogate ("\ud800") parses as JSON but is no text
+            param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+            raise APIError(400, f"{param} holds a string that is not valid Unicode (a lone surrogate escape)",
+                           param=param) from None
         except ValueError as error:
             raise APIError(400, str(error), param=self._param(body, str(error))) from None
+
+    def _check_length(self, body, prompt_ids: list[int]) -> None:
+        """A prompt that fills max_model_len leaves no room for a token. The engine's own check
+        misses it when max_tokens is unset (its default, max_model_len - prompt, goes negative;
+        see the report of issue 6), and such a request would overflow its block table."""
+        if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
+            param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+            raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room for output within "
+                                f"max_model_len ({self.max_model_len}): prompt + max_tokens must fit in it",
+                           param=param)
 
     @staticmethod
     def _param(body, message: str) -> str | None:
@@ -159,6 +189,7 @@ class OpenAIServer:
                 raise APIError(503, refusal, code="not_routed", headers={"Retry-After": "1"})
         self._check_model(body.model)
         prompt_ids, params = self._prepare(body)
+        self._check_length(body, prompt_ids)
         is_chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
         arrival = time.monotonic()
@@ -171,7 +202,8 @@ class OpenAIServer:
             raise APIError(429, str(error), code="queue_full",
                            headers={"Retry-After": str(error.retry_after_s)}) from None
         except EngineUnavailableError as error:
-            raise APIError(503, str(error), code="unavailable") from None
+            raise APIError(503, str(error), code="unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)}) from None
         except ValueError as error:
             raise APIError(400, str(error), param=self._param(body, str(error))) from None
         builder = ResponseBuilder("chat" if is_chat else "completion", request_id, self.model_name, self.token_text,
@@ -196,7 +228,7 @@ class OpenAIServer:
                 last = deltas[-1]
                 if last.finished and last.finish_reason == "error":
                     yield builder.stream_chunks(deltas[:-1]) + sse_event(
-                        error_body(500, "the engine failed while generating this request")) + SSE_DONE
+                        error_body(500, ENGINE_ERROR_MESSAGE, code="engine_error")) + SSE_DONE
                     self._finished(timer, last)
                     return
                 yield builder.stream_chunks(deltas)
@@ -205,6 +237,10 @@ class OpenAIServer:
             yield builder.stream_end(last)
         except EngineUnavailableError as error:
             yield sse_event(error_body(503, str(error), code="unavailable")) + SSE_DONE
+        except Exception as error:  # noqa: BLE001 - the headers are sent: end the stream with an error event
+            logger.exception("stream failed")
+            yield sse_event(error_body(500, f"internal server error ({type(error).__name__})",
+                                       code="internal_error")) + SSE_DONE
         finally:
             stream.close()
 
@@ -222,14 +258,15 @@ class OpenAIServer:
                         logprobs.extend(delta.new_logprobs)
                 last = deltas[-1]
         except EngineUnavailableError as error:
-            raise APIError(503, str(error), code="unavailable") from None
+            raise APIError(503, str(error), code="unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)}) from None
         finally:
             watcher.cancel()
         if last is None or not last.finished:  # the client went away; nobody reads this
             return Response(status_code=499)
         self._finished(timer, last)
         if last.finish_reason == "error":
-            raise APIError(500, "the engine failed while generating this request", code="engine_error")
+            raise APIError(500, ENGINE_ERROR_MESSAGE, code="engine_error")
         body = builder.full_response("".join(texts), token_ids, logprobs if builder.num_top_logprobs is not None
                                      else None, last)
         return JSONResponse(body)
@@ -256,11 +293,14 @@ async def _close_on_disconnect(http_request: Request, stream: RequestStream) -> 
 def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_len: int | None = None,
                replica_name: str = "standalone", api_key: str | None = None,
                request_guard: RequestGuard | None = None, drain_timeout_s: float = 30.0,
-               log_requests: bool = False, log_prompts: bool = False) -> FastAPI:
+               log_requests: bool = False, log_prompts: bool = False, max_logprobs: int | None = None,
+               cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The OpenAI app over `engine`. Its lifespan starts the engine loop and, on shutdown,
-    drains it (running requests get `drain_timeout_s` to finish)."""
+    drains it (running requests get `drain_timeout_s` to finish). `cors_origins`: the
+    browser origins allowed to call the API (none by default; "*" for any)."""
     server = OpenAIServer(engine, tokenizer, model_name=model_name, max_model_len=max_model_len,
-                          request_guard=request_guard, log_requests=log_requests, log_prompts=log_prompts)
+                          request_guard=request_guard, log_requests=log_requests, log_prompts=log_prompts,
+                          max_logprobs=max_logprobs)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -271,25 +311,39 @@ def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_
     app = FastAPI(title="roseray", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     install_error_handlers(app)
+    install_openapi(app)
 
-    app.add_api_route("/health", server.health, methods=["GET"])
-    app.add_api_route("/ready", server.ready, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET"], response_model=Status, responses=PROBE_RESPONSES)
+    app.add_api_route("/ready", server.ready, methods=["GET"], response_model=Status, responses=PROBE_RESPONSES)
+
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.add_api_route("/v1/models", server.models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"], response_class=Response, responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus metrics"},
+        **READ_RESPONSES})
+    app.add_api_route("/v1/models", server.models, methods=["GET"], response_model=ModelList,
+                      responses=READ_RESPONSES)
+    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"], response_model=ModelCard,
+                      responses=READ_RESPONSES)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=completion_responses(CompletionResponse,
+                                                                                              CompletionChunk))
     async def completions(http_request: Request, body: CompletionRequest) -> Response:
         return await server.generate(http_request, body)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, responses=completion_responses(
+        ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(http_request: Request, body: ChatCompletionRequest) -> Response:
         return await server.generate(http_request, body)
 
+    # add_middleware puts each one outside the ones before it
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # refuses before the body is read
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-request-id", "x-session-id"],
+                           expose_headers=[REPLICA_HEADER, "retry-after"], allow_credentials=False, max_age=600)
     app.add_middleware(ReplicaHeaderMiddleware, replica_name=replica_name)  # outermost: every response
     return app

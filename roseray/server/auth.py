@@ -1,11 +1,13 @@
 """Optional API key: `Authorization: Bearer <key>` on every path but the probes.
 
-A pure ASGI middleware (no per-request Starlette Request object, streaming untouched);
-the key is compared in constant time.
+A pure ASGI middleware (no per-request Starlette Request object, streaming untouched).
+The key is compared in constant time: `hmac.compare_digest` of SHA-256 digests, so that
+neither the key's bytes nor its length shape the time a wrong guess takes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 
@@ -19,7 +21,7 @@ class ApiKeyMiddleware:
         if not api_key:
             raise ValueError("api_key must be a non-empty string")
         self.app = app
-        self._expected = b"bearer " + api_key.encode()
+        self._expected = _digest(b"bearer " + api_key.encode())
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
@@ -36,5 +38,9 @@ class ApiKeyMiddleware:
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return hmac.compare_digest(scheme.lower() + b" " + token.strip(), self._expected)
+                return hmac.compare_digest(_digest(scheme.lower() + b" " + token.strip()), self._expected)
         return False
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()

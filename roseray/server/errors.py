@@ -54,6 +54,8 @@ def error_response(status_code: int, message: str, *, param: str | None = None, 
 
 
 _LEADING_FIELD = re.compile(r"^([a-z_]+) ")
+_FASTAPI_PARSE_ERROR = "There was an error parsing the body"  # FastAPI: not UTF-8, or nested too deep
+PARSE_ERROR_MESSAGE = "the request body is not valid JSON (send one UTF-8 encoded JSON object)"
 
 
 def param_of(message: str, known: set[str] | frozenset[str]) -> str | None:
@@ -62,19 +64,41 @@ def param_of(message: str, known: set[str] | frozenset[str]) -> str | None:
     return match.group(1) if match and match.group(1) in known else None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the member of a union in `loc` ("str", "list[constrained-int]",
+    "ChatMessage"); roseray's field names are lower-case identifiers."""
+    if not isinstance(part, str):
+        return False
+    return any(c in part for c in "[-") or part[:1].isupper() or part in ("str", "int", "float", "bool", "list",
+                                                                          "dict", "none")
+
+
+def _field_path(error: dict) -> str | None:
+    parts = [str(p) for p in error.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+    return ".".join(parts) or None
+
+
+def _validation_message(exc: RequestValidationError, content_type: str = "application/json") -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    message = first.get("msg", "invalid value")
-    if first.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return PARSE_ERROR_MESSAGE, None
+    # A value that fails every member of a union yields one error per member: the one that
+    # is not a plain type mismatch names the real problem ("stop": "" is a str, but empty).
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+    param = _field_path(first)
     if first.get("type") == "missing":
+        if param is None:
+            return "the request body is empty: send a JSON object", None
         return f"missing required field {param!r}", param
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        if "json" not in content_type:
+            return "the request body must be a JSON object sent as content-type: application/json", None
+        return "the request body must be a JSON object", None
+    message = first.get("msg", "invalid value")
+    fields = {(_field_path(e) or "").split(".")[0] for e in errors}
+    more = f" (and {len(fields) - 1} more invalid field(s))" if len(fields) > 1 else ""
     return (f"{param}: {message}{more}" if param else f"{message}{more}"), param
 
 
@@ -84,8 +108,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, exc.message, param=exc.param, code=exc.code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc, request.headers.get("content-type", "").lower())
         return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -93,6 +117,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = "not found"
+        elif exc.status_code == 400 and message == _FASTAPI_PARSE_ERROR:
+            message = PARSE_ERROR_MESSAGE
         headers = dict(exc.headers) if exc.headers else None
         return error_response(exc.status_code, message, headers=headers)
 

@@ -5,15 +5,36 @@ ignore_eos, stop_token_ids, min_tokens, skip_special_tokens, include_stop_str_in
 Unknown fields are ignored, as vLLM does; fields whose meaning roseray cannot honour
 (n > 1, best_of, echo, suffix, tools, logit_bias, non-text content) are rejected with a
 message naming the field, so a client never silently gets something else than it asked.
+
+Types are strict, as OpenAI's API is: `"max_tokens": "5"` or `"stream": "yes"` is a 400,
+not silently coerced. The numeric ranges are in the fields too (so the OpenAPI schema
+states them); SamplingParams checks them again with its own messages.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from roseray.sampling_params import SamplingParams
+from roseray.sampling_params import MAX_LOGPROBS, MAX_PENALTY, MAX_STOP_STRINGS, SamplingParams
+
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+def _finite(default=None, **bounds):
+    """A float field that refuses NaN and +-inf (Python's json module parses both)."""
+    return Field(default, allow_inf_nan=False, **bounds)
+
+
+# The sampler works in float32, where a top_p under the smallest normal float32 rounds to 0 and
+# would keep no token at all. Any top_p that small means "only the most likely token", which
+# this value also means, so it is raised to it (see the report of issue 6 for the engine fix).
+MIN_TOP_P = 1.1754943508222875e-38  # numpy.finfo(numpy.float32).tiny
+
+StopString = Annotated[str, Field(min_length=1)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+TokenId = Annotated[int, Field(ge=0)]
 
 
 class UnsupportedFieldError(ValueError):
@@ -25,7 +46,7 @@ class UnsupportedFieldError(ValueError):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
@@ -33,27 +54,27 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: int = Field(1, ge=1, le=1)
+    temperature: float | None = _finite(ge=0.0)
+    top_p: float | None = _finite(gt=0.0, le=1.0)
+    stop: StopString | StopList | None = None
+    presence_penalty: float | None = _finite(ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = _finite(ge=-MAX_PENALTY, le=MAX_PENALTY)
     seed: int | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = _finite(ge=0.0, le=1.0)
+    repetition_penalty: float | None = _finite(gt=0.0, le=MAX_PENALTY)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -68,7 +89,7 @@ class _SamplingFields(BaseModel):
                      "repetition_penalty"):
             value = getattr(self, name)
             if value is not None:  # None = the SamplingParams default
-                params[name] = value
+                params[name] = max(value, MIN_TOP_P) if name == "top_p" else value
         return params
 
     @property
@@ -81,9 +102,9 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -111,13 +132,13 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -137,10 +158,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None

@@ -1,32 +1,74 @@
-"""`roseray serve`: the OpenAI app over one in-process engine, on uvicorn, without Ray."""
+"""`roseray serve`: the OpenAI app over one in-process engine, on uvicorn, without Ray.
+
+Shutdown (SIGTERM, SIGINT) drains before uvicorn closes anything: the port stays open,
+/ready and every new generation request answer 503 + Retry-After (a load balancer moves
+on), running requests get `drain_timeout_s` to finish, and those still running then end
+with an error event (streams) or a 503. Only then does uvicorn stop listening and exit.
+A second SIGINT skips the rest of the drain.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+from collections.abc import Sequence
 
 import uvicorn
 
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
 from roseray.server.api import create_app
+from roseray.server.body_limit import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
-def run_standalone(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-                   api_key: str | None = None, served_model_name: str | None = None, log_prompts: bool = False,
-                   log_requests: bool = False, drain_timeout_s: float = 30.0, log_level: str = "info") -> None:
-    """Load the model, then serve until SIGINT/SIGTERM. On shutdown uvicorn stops accepting,
-    and running requests get `drain_timeout_s` to finish before they are aborted."""
-    engine = AsyncLLMEngine.from_engine_config(engine_config)
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose shutdown first drains the engine (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout_s = drain_timeout_s
+
+    async def shutdown(self, sockets=None) -> None:
+        logger.info("draining: new requests get 503; running ones have %.0f s to finish", self.drain_timeout_s)
+        drain = asyncio.ensure_future(self.engine.drain(self.drain_timeout_s))
+        while not drain.done() and not self.force_exit:
+            await asyncio.sleep(0.05)
+        if not drain.done():  # a second Ctrl-C
+            drain.cancel()
+        await super().shutdown(sockets)
+
+
+def build_server(engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+                 served_model_name: str | None = None, log_prompts: bool = False, log_requests: bool = False,
+                 drain_timeout_s: float = 30.0, log_level: str = "info", cors_origins: Sequence[str] = (),
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> DrainingServer:
+    """The uvicorn server of `roseray serve` over an engine that is not started yet."""
     llm = engine.engine
     app = create_app(engine, llm.tokenizer, model_name=served_model_name or llm.model_name,
                      max_model_len=llm.max_model_len, replica_name=f"standalone@{socket.gethostname()}:{port}",
                      api_key=api_key, drain_timeout_s=drain_timeout_s, log_requests=log_requests,
-                     log_prompts=log_prompts)
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+                     log_prompts=log_prompts, max_logprobs=llm.config.max_logprobs, cors_origins=cors_origins,
+                     max_body_bytes=max_body_bytes)
+    if host not in LOOPBACK_HOSTS and not api_key:
         logger.warning("serving on %s without an API key: anyone who reaches this address can use the model", host)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s,
+    # the drain happens before uvicorn's own graceful shutdown, which then only closes finished connections
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             lifespan="on")
-    uvicorn.Server(config).run()
+    return DrainingServer(config, engine, drain_timeout_s)
+
+
+def run_standalone(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+                   api_key: str | None = None, served_model_name: str | None = None, log_prompts: bool = False,
+                   log_requests: bool = False, drain_timeout_s: float = 30.0, log_level: str = "info",
+                   cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    """Load the model, then serve until SIGINT/SIGTERM, draining on the way out."""
+    engine = AsyncLLMEngine.from_engine_config(engine_config)
+    build_server(engine, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+                 log_prompts=log_prompts, log_requests=log_requests, drain_timeout_s=drain_timeout_s,
+                 log_level=log_level, cors_origins=cors_origins, max_body_bytes=max_body_bytes).run()
