@@ -136,15 +136,15 @@ class OpenAIServer:
         """Validate the body and tokenize its prompt; every failure is a 400."""
         try:
             params = body.to_sampling_params()
+            if self.max_logprobs is not None and params.logprobs is not None and params.logprobs > self.max_logprobs:
+                name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+                raise UnsupportedFieldError(name, f"{name} must be at most {self.max_logprobs} on this server, "
+                                                  f"got {params.logprobs}")
             if isinstance(body, ChatCompletionRequest):
                 text = self.tokenizer.apply_chat_template(body.template_messages(),
                                                           add_generation_prompt=body.add_generation_prompt)
                 # the template already holds any BOS the model wants
                 return self.tokenizer.encode(text, add_special_tokens=False), params
-            if self.max_logprobs is not None and params.logprobs is not None and params.logprobs > self.max_logprobs:
-                name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
-                raise UnsupportedFieldError(name, f"{name} must be at most {self.max_logprobs} on this server, "
-                                                  f"got {params.logprobs}")
             prompt = body.single_prompt()
             return (self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)), params
         except UnsupportedFieldError as error:
