@@ -162,8 +162,10 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: SteppableEngine, *, max_waiting_requests: int, retry_after_s: int = 1,
                  heartbeat_s: float = 1.0, stuck_after_s: float = 60.0, max_failed_steps: int = 3,
-                 preemption_log_interval_s: float = 10.0) -> None:
+                 preemption_log_interval_s: float = 10.0, max_running: int = 0) -> None:
         self.engine = engine
+        # requests the engine runs at once (max_num_seqs): that many new requests do not queue
+        self.max_running = max_running
         self.preemption_log_interval_s = preemption_log_interval_s
         self._preemptions_logged = 0  # num_preemptions_total as of the last preemption log line
         self._preemption_logged_at = float("-inf")
@@ -189,7 +191,8 @@ class AsyncLLMEngine:
     @classmethod
     def from_engine_config(cls, config: EngineConfig, **kwargs) -> "AsyncLLMEngine":
         """Load the model (LLMEngine) and wrap it; the loop starts with `start()`."""
-        return cls(LLMEngine(config), max_waiting_requests=config.max_waiting_requests, **kwargs)
+        return cls(LLMEngine(config), max_waiting_requests=config.max_waiting_requests,
+                   max_running=config.max_num_seqs, **kwargs)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -297,7 +300,9 @@ class AsyncLLMEngine:
             raise RuntimeError("AsyncLLMEngine is bound to another event loop")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        num_waiting = self._queue_stats.num_waiting + self._num_unacked
+        # the adds the loop has not taken yet fill the free running slots first, then the queue
+        running_room = max(0, self.max_running - self._queue_stats.num_running)
+        num_waiting = max(0, self._queue_stats.num_waiting + self._num_unacked - running_room)
         if num_waiting >= self.max_waiting_requests:
             raise QueueFullError(num_waiting, self.max_waiting_requests, self.retry_after_s)
         stream = RequestStream(request_id, self, loop)
