@@ -39,6 +39,13 @@ API_KEY_ENV = "ROSERAY_API_KEY"
 logger = logging.getLogger(__name__)
 
 
+def resolve_api_key(configured: str | None) -> str | None:
+    """The app's `api_key`, else ROSERAY_API_KEY from the replica's environment (runtime_env
+    env_vars, or the node's environment at `ray start`), which keeps the key out of the
+    Serve config that the dashboard and `serve status` show. None: no key required."""
+    return configured or os.environ.get(API_KEY_ENV) or None
+
+
 @serve.deployment(name="Engine")
 @serve.ingress()
 class EngineDeployment:
@@ -54,9 +61,7 @@ class EngineDeployment:
         context = serve.get_replica_context()
         self.replica_name = f"{context.deployment}#{context.replica_id.unique_id}"
         llm = self.engine.engine
-        # the key may come from the replica's environment (runtime_env env_vars, the node's env), which keeps
-        # it out of the Serve config that the dashboard and `serve status` show
-        api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        api_key = resolve_api_key(api_key)
         self._app_kwargs = dict(model_name=served_model_name or llm.model_name, max_model_len=llm.max_model_len,
                                 replica_name=self.replica_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
                                 log_requests=log_requests, max_logprobs=llm.config.max_logprobs,
