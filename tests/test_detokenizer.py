@@ -159,3 +159,19 @@ def test_earliest_stop_wins_and_old_matches_are_not_found_again():
     assert find_stop_string("xSTOP", 1, ["STOP"], False) == (1, "STOP")  # only its last char is new
     assert find_stop_string("anything", 0, ["any"], False) is None
     assert find_stop_string("text", 4, [], False) is None
+
+
+def test_invalid_utf8_forever_is_released_and_stays_cheap():
+    """A model that keeps emitting a lone continuation byte must not hold text back (and
+    grow its decode window) forever: after a few tokens the U+FFFD is final."""
+    calls = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(len(ids))
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    detok = IncrementalDetokenizer(Counting(), [104, 105])
+    released = "".join(detok.step([0x80]) for _ in range(200))
+    assert released.count("\ufffd") >= 190
+    assert max(calls) <= 16  # the window stays small

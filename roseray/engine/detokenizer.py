@@ -14,6 +14,8 @@ from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the first output token
+MAX_HELD_TOKENS = 8  # past this many held tokens, text before the last few is checked for release
+KEEP_HELD_TOKENS = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 tokens
 
 
 class Decoder(Protocol):
@@ -41,9 +43,23 @@ class IncrementalDetokenizer:
         self._window_ids.extend(new_token_ids)
         context_text = self._decoded_context()
         window_text = self._decode(self._window_ids)
-        if len(window_text) <= len(context_text) or window_text.endswith(REPLACEMENT_CHAR):
+        if len(window_text) <= len(context_text):
             return ""
+        if window_text.endswith(REPLACEMENT_CHAR):
+            return self._release_final_part(window_text, context_text)
         return self._release(window_text[len(context_text):])
+
+    def _release_final_part(self, window_text: str, context_text: str) -> str:
+        """The tail may be the first bytes of a character: hold it. But a model can emit
+        invalid UTF-8 forever; then release all but the last few tokens once their text is
+        final (decoding them alone gives a prefix of the whole), so the window stays small."""
+        if len(self._window_ids) - self._read_offset <= MAX_HELD_TOKENS:
+            return ""
+        split = len(self._window_ids) - KEEP_HELD_TOKENS
+        head_text = self._decode(self._window_ids[:split])
+        if len(head_text) <= len(context_text) or not window_text.startswith(head_text):
+            return ""  # a character straddles the split: keep holding
+        return self._release(head_text[len(context_text):], upto=split)
 
     def flush(self) -> str:
         """Release whatever is held back; call once when the request finishes."""
@@ -53,10 +69,10 @@ class IncrementalDetokenizer:
             return ""
         return self._release(window_text[len(context_text):])
 
-    def _release(self, new_text: str) -> str:
-        # The chunk just released becomes the next context.
-        self._window_ids = self._window_ids[self._read_offset:]
-        self._read_offset = len(self._window_ids)
+    def _release(self, new_text: str, upto: int | None = None) -> str:
+        # The chunk just released (window ids up to `upto`) becomes the next context.
+        upto = len(self._window_ids) if upto is None else upto
+        self._window_ids, self._read_offset = self._window_ids[self._read_offset:], upto - self._read_offset
         self._context_text = None
         self.output_text += new_text
         return new_text
