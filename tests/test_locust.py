@@ -6,8 +6,8 @@ empty streams are failures), the sample book's merge across processes, the summa
 percentiles, the arrival schedule and request shapes. End to end: a headless locust run
 against a scripted SSE server (known gaps between tokens, and a 429, a cut stream and an
 empty stream among the answers), and headless runs (one process, and --processes 2) against
-the Ray Serve app with two CPU replicas of random:tiny, started from this file the way
-tests/test_serve_e2e.py starts its cluster.
+the Ray Serve app with two CPU replicas of random:tiny (the session's cluster,
+tests/conftest.py's ray_serve_cluster, shared with tests/test_serve_e2e.py).
 
 locust monkey-patches the standard library (gevent) when imported, so it only ever runs
 in a subprocess here; this module never imports it.
@@ -19,10 +19,8 @@ import importlib.util
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -347,73 +345,15 @@ def test_locust_measures_true_gaps_and_reports_every_failure(tmp_path):
 
 # ---- end to end: locust against the Ray Serve app -------------------------------------------------------
 APP = "roseray"
-ENGINE = {"model": "random:tiny", "max_num_seqs": 16, "max_waiting_requests": 64, "max_model_len": 512,
-          "num_kv_blocks": 256, "block_size": 16}
 LOAD = ["-u", "16", "-r", "16", "-t", "6s", "--request-rate", "3", "--prompt-tokens", "16:48",
         "--output-tokens", "8:24", "--seed", "1", "--save-samples", "on", "--drain-timeout", "10"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_cluster(cfg: dict) -> None:
-    """The subprocess side: a local Ray cluster in HAProxy mode with two engine replicas."""
-    import ray
-    from ray import serve
-
-    from roseray.serve.app import build_app
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             _temp_dir=cfg["ray_tmp"])
-    serve.start(http_options={"host": "127.0.0.1", "port": cfg["port"]},
-                logging_config={"log_level": "WARNING", "enable_access_log": False})
-    serve.run(build_app({"engine": ENGINE, "num_replicas": 2, "num_cpus_per_replica": 1, "drain_timeout_s": 1}),
-              name=APP, route_prefix="/")
-    print("READY", flush=True)
-    sys.stdin.read()  # until the test closes our stdin
-    serve.shutdown()
-    ray.shutdown()
-
-
 @pytest.fixture(scope="module")
-def ray_app():
-    from roseray.serve.haproxy_env import haproxy_env
-
-    state_dir = tempfile.mkdtemp(prefix="rrlh", dir="/tmp")  # short: HAProxy's unix socket paths
-    ray_tmp = tempfile.mkdtemp(prefix="rrlt", dir="/tmp")
-    port = free_port()
-    env = {**os.environ, **haproxy_env(state_dir),
-           "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
-           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0.2",
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    env.pop("RAY_ADDRESS", None)
-    log = open(os.path.join(ray_tmp, "cluster.log"), "w+")
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps({"port": port, "ray_tmp": ray_tmp})],
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-    lines = []
-    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 150
-        while "READY\n" not in lines:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"the Ray Serve app did not start:\n{log.read()[-5000:]}")
-            time.sleep(0.2)
-        wait_for_both_replicas(url, deadline)
-        yield url
-    finally:
-        with contextlib.suppress(Exception):
-            proc.stdin.close()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+def ray_app(ray_serve_cluster):
+    """The session's Ray Serve cluster (tests/conftest.py), once both replicas answer."""
+    wait_for_both_replicas(ray_serve_cluster.url, time.monotonic() + 150)
+    return ray_serve_cluster.url
 
 
 def wait_for_both_replicas(url: str, deadline: float) -> None:
@@ -523,6 +463,3 @@ def test_chat_with_two_locust_processes_merges_their_samples(locust_runs):
     assert [p["process"] for p in summary["client"]["processes"]][0] == "master"
     assert len(summary["client"]["processes"]) == 3
 
-
-if __name__ == "__main__":
-    run_cluster(json.loads(sys.argv[1]))

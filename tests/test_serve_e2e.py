@@ -1,109 +1,29 @@
 """The Ray Serve app end to end: a local Ray cluster in HAProxy mode, serve_config.yaml's
 app with two CPU engine replicas of random:tiny, traffic through HAProxy and the Router.
 
-Serve reads its HAProxy flags when it is imported, so the cluster runs in a subprocess
-(this file, run as a script) started with roseray.serve.haproxy_env's environment."""
+The cluster is the session's (tests/conftest.py: ray_serve_cluster), shared with
+tests/test_hardening_ray.py and tests/test_locust.py; its replica list is read when this
+module starts (a test before may have replaced a replica)."""
 
 import asyncio
 import collections
-import contextlib
-import json
-import os
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 
 import httpx
 import pytest
 
+from tests.conftest import RAY_STATS_PERIOD_S as STATS_PERIOD_S
+
 pytestmark = pytest.mark.ray
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-APP = "roseray"
-STATS_PERIOD_S = 0.25
-ENGINE = {"model": "random:tiny", "max_num_seqs": 8, "max_waiting_requests": 64, "max_model_len": 2048,
-          "num_kv_blocks": 130, "block_size": 16}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---- the cluster (subprocess side) ---------------------------------------------------------------
-def run_cluster(cfg: dict) -> None:
-    import ray
-    import yaml
-    from ray import serve
-
-    from roseray.serve import wiring
-    from roseray.serve.app import build_app
-
-    with open(os.path.join(REPO, "serve_config.yaml")) as f:
-        config = yaml.safe_load(f)
-    args = config["applications"][0]["args"]
-    args["engine"].update(ENGINE)
-    args.update(num_replicas=2, num_cpus_per_replica=1, drain_timeout_s=1)
-    args["router"]["stats_period_s"] = STATS_PERIOD_S
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             _temp_dir=cfg["ray_tmp"])
-    serve.start(http_options={**config["http_options"], "port": cfg["port"]},
-                logging_config={"log_level": "WARNING", "enable_access_log": False})
-    serve.run(build_app(args), name=APP, route_prefix="/")
-    print("READY " + json.dumps({"engines": wiring.engine_http_targets(APP)}), flush=True)
-    sys.stdin.read()  # until the test closes our stdin
-    serve.shutdown()
-    ray.shutdown()
-
-
-# ---- the test side ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def cluster():
-    from roseray.serve.haproxy_env import haproxy_env
-
-    state_dir = tempfile.mkdtemp(prefix="rrh", dir="/tmp")  # short: HAProxy's unix socket paths
-    ray_tmp = tempfile.mkdtemp(prefix="rrt", dir="/tmp")
-    port, stats_port, metrics_port, fallback_port = free_port(), free_port(), free_port(), free_port()
-    env = {**os.environ, **haproxy_env(state_dir),
-           "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port), "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics_port),
-           "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(fallback_port),
-           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    env.pop("RAY_ADDRESS", None)
-    log = open(os.path.join(ray_tmp, "cluster.log"), "w+")
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps({"port": port, "ray_tmp": ray_tmp})],
-                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 150
-        while not any(line.startswith("READY ") for line in lines):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"the cluster did not start:\n{log.read()[-5000:]}")
-            time.sleep(0.2)
-        info = json.loads(next(line for line in lines if line.startswith("READY "))[len("READY "):])
-        url = f"http://127.0.0.1:{port}"
-        wait_for_routing(url)
-        yield {"url": url, "engines": info["engines"], "stats_port": stats_port, "metrics_port": metrics_port,
-               "fallback_port": fallback_port}
-    finally:
-        with contextlib.suppress(Exception):
-            proc.stdin.close()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
-        shutil.rmtree(state_dir, ignore_errors=True)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+def cluster(ray_serve_cluster):
+    wait_for_routing(ray_serve_cluster.url)
+    return {"url": ray_serve_cluster.url, "engines": ray_serve_cluster.engines(),
+            "stats_port": ray_serve_cluster.stats_port, "metrics_port": ray_serve_cluster.metrics_port,
+            "fallback_port": ray_serve_cluster.fallback_port}
 
 
 def wait_for_routing(url: str, timeout_s: float = 60) -> None:
@@ -259,6 +179,3 @@ def test_haproxy_side_ports_listen_on_loopback_only(cluster):
             with pytest.raises(OSError):
                 socket.create_connection((ip, port), timeout=5).close()
 
-
-if __name__ == "__main__":
-    run_cluster(json.loads(sys.argv[1]))

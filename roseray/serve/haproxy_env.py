@@ -14,8 +14,10 @@ What it sets:
   RAY_SERVE_HAPROXY_BINARY_PATH=<dir>/haproxy       a wrapper around Ray's bundled HAProxy that binds
                                                     the stats page (8404) and Prometheus exporter (9101)
                                                     on 127.0.0.1 (Ray's template binds them on every
-                                                    interface) and makes the admin socket mode 600
-                                                    (Ray's template: 666)
+                                                    interface), makes the admin socket mode 600
+                                                    (Ray's template: 666), and lets the routed backend
+                                                    retry a request that a replica closed without a
+                                                    byte of answer (see RETRY_ON)
   RAY_SERVE_HAPROXY_{CONFIG_FILE_LOC,SOCKET_PATH,SERVER_STATE_BASE,SERVER_STATE_FILE,METRICS_SOCKET_PATH}
                                                     HAProxy's files in <dir> (mode 700; default
                                                     /tmp/roseray-haproxy-<uid>; keep it short: unix
@@ -31,26 +33,40 @@ import shlex
 import shutil
 import sys
 
+# The routed backend (HAProxy -> the replica the Router picked) also retries when the replica
+# closed the connection without a byte of response ("empty-response"): a replica that dies
+# (crash, OOM kill, ray.kill) after accepting a connection. Ray's default retries connect
+# failures only, because replaying a request can run it twice; a roseray request that got
+# no answer has produced nothing, and running it again has no side effect. With
+# `option redispatch` (Ray's template) the retry goes to another replica.
+RETRY_ON = "conn-failure empty-response"
+
 _WRAPPER = r'''#!{python}
 # Written by roseray.serve.haproxy_env: exec Ray's HAProxy after moving the stats and
-# Prometheus listeners of its config to loopback and closing the admin socket's mode.
+# Prometheus listeners of its config to loopback, closing the admin socket's mode and
+# letting the routed backends retry an empty response.
 import os, re, sys
 REAL = {real!r}
+RETRY_ON = {retry_on!r}
 args = sys.argv[1:]
 for i, arg in enumerate(args[:-1]):
     if arg == "-f" and os.path.isfile(args[i + 1]):
         path = args[i + 1]
         with open(path) as f:
             lines = f.read().split("\n")
-        section = ""
+        section, out = "", []
         for j, line in enumerate(lines):
             if line and not line[0].isspace():
                 section = line.split()[0] + " " + (line.split() + [""])[1]
             if section in ("frontend prometheus", "listen stats"):
-                lines[j] = re.sub(r"^(\s*bind\s+)(\*|0\.0\.0\.0|::)?:", r"\g<1>127.0.0.1:", line)
-            lines[j] = re.sub(r"^(\s*stats socket\s+\S+\s+mode\s+)666\b", r"\g<1>600", lines[j])
+                line = re.sub(r"^(\s*bind\s+)(\*|0\.0\.0\.0|::)?:", r"\g<1>127.0.0.1:", line)
+            line = re.sub(r"^(\s*stats socket\s+\S+\s+mode\s+)666\b", r"\g<1>600", line)
+            out.append(line)
+            routed = section.startswith("backend ") and section.endswith("-via-ingress-request-router")
+            if routed and line.startswith("backend ") and lines[j + 1:j + 2] != ["    retry-on " + RETRY_ON]:
+                out.append("    retry-on " + RETRY_ON)
         with open(path, "w") as f:
-            f.write("\n".join(lines))
+            f.write("\n".join(out))
 os.execv(REAL, [REAL] + args)
 '''
 
@@ -72,7 +88,7 @@ def write_wrapper(state_dir: str, real_binary: str | None = None) -> str:
     os.chmod(state_dir, 0o700)
     path = os.path.join(state_dir, "haproxy")
     with open(path, "w") as f:
-        f.write(_WRAPPER.format(python=sys.executable, real=real_binary or find_haproxy()))
+        f.write(_WRAPPER.format(python=sys.executable, real=real_binary or find_haproxy(), retry_on=RETRY_ON))
     os.chmod(path, 0o700)
     return path
 
