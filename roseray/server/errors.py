@@ -1,8 +1,10 @@
 """Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
 
 Every failure the API returns goes through `error_response`: 400 for any invalid
-request (FastAPI's 422 is converted), 401 bad API key, 404 unknown model or route,
-429 + Retry-After when the engine queue is full, 503 while not ready or draining.
+request (FastAPI's 422 is converted, with a message naming the field), 401 bad API key,
+404 unknown model or route, 413 body over the size limit (roseray.server.body_limit),
+429 + Retry-After when the engine queue is full, 500 when the engine failed the request,
+503 + Retry-After while not ready or draining.
 """
 
 from __future__ import annotations
