@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish on shutdown; new ones get 503 meanwhile")
+    serve.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
+                       help="a browser origin allowed to call the API, e.g. https://app.example.com (repeat; "
+                            "none by default: CORS closed)")
+    serve.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
+                       help="request bodies larger than this get 413 (default: %(default)s)")
     add_engine_args(serve)
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, stream, kernels, step-overhead",
@@ -105,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         api_key = args.api_key or os.environ.get("ROSERAY_API_KEY") or None
         run_standalone(engine_config_from_args(args), host=args.host, port=args.port, api_key=api_key,
                        served_model_name=args.served_model_name, log_prompts=args.log_prompts,
-                       drain_timeout_s=args.drain_timeout)
+                       drain_timeout_s=args.drain_timeout, cors_origins=args.cors_origins,
+                       max_body_bytes=args.max_body_bytes)
         return 0
     return 2
 

@@ -186,3 +186,19 @@ def test_abort_while_a_step_is_in_flight():
     assert finished == {"a": ("abort", 0), "b": ("length", 5)}
     engine.check_integrity()
     assert engine.block_manager.num_free_blocks == 32
+
+
+def test_a_prompt_that_fills_max_model_len_is_refused_not_fatal(llm):
+    """With max_tokens unset the output budget is max_model_len - prompt: a prompt that
+    leaves none must be refused at admission, not crash the first step."""
+    with pytest.raises(ValueError, match=r"the prompt \(256 tokens\) leaves no room for output within max_model_len \(256\)"):
+        llm.generate([[1] * 256], SamplingParams(max_tokens=None), use_tqdm=False)
+    assert llm.generate([[1] * 250], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_logprobs_beyond_the_engine_limit_are_refused():
+    engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", num_kv_blocks=16, max_logprobs=2))
+    with pytest.raises(ValueError, match="logprobs must be at most 2, got 3"):
+        engine.add_request("x", [1, 2], greedy(2, logprobs=3))
+    assert not engine.has_unfinished_requests()

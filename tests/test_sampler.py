@@ -385,3 +385,13 @@ def test_cached_prompt_ids_follow_the_request_not_just_its_id():
     assert sampler(logits, [second]).token_ids == [0]
     both = make_request(params, prompt=[0, 1], eos=frozenset(), rid="other")
     assert sampler(logits.expand(2, -1), [second, both]).token_ids == [0, 2]
+
+
+def test_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token():
+    import torch as _torch
+    from roseray.engine.sampler import apply_top_k_top_p
+
+    logits = _torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    apply_top_k_top_p(logits, None, _torch.tensor([5e-324], dtype=_torch.float32), num_candidates=4)
+    kept = _torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert kept == [1]

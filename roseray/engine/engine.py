@@ -122,6 +122,11 @@ class LLMEngine:
         else:
             prompt_text, token_ids = None, [int(t) for t in prompt]
         self._validate_prompt(token_ids)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt ({len(token_ids)} tokens) leaves no room for output within "
+                             f"max_model_len ({self.max_model_len})")
+        if sampling_params.logprobs is not None and sampling_params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be at most {self.config.max_logprobs}, got {sampling_params.logprobs}")
         max_tokens = sampling_params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(token_ids)

@@ -340,7 +340,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
     # the row's k): the same probabilities whatever the candidate count of the batch.
     candidate_probs = (candidates - logits.logsumexp(dim=-1, keepdim=True)).exp()  # [B, C]
     mass_before = candidate_probs.cumsum(dim=-1) - candidate_probs  # probability ranked above each
-    num_kept = (mass_before < top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True)  # >= 1: the top has 0 above
+    # >= 1: the top has 0 above, unless top_p itself rounds to 0 in float32 (top_p < 1.2e-38)
+    num_kept = (mass_before < top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
     cutoff = candidates.gather(1, num_kept - 1)  # [B, 1]
     logits.masked_fill_(logits < cutoff, float("-inf"))
 
