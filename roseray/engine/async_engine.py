@@ -32,25 +32,14 @@ from typing import Any, Callable, Protocol
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
 from roseray.engine.request import RequestDelta
+from roseray.engine.request_stream import (EngineRequestError, EngineUnavailableError, QueueFullError,
+                                           RequestStream)
 from roseray.sampling_params import SamplingParams
 
+__all__ = ["AsyncLLMEngine", "AsyncEngineStats", "EngineRequestError", "EngineUnavailableError", "LoopState",
+           "QueueFullError", "RequestStream"]
+
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The engine's waiting queue is at `max_waiting_requests` (HTTP 429)."""
-
-    def __init__(self, num_waiting: int, limit: int, retry_after_s: int) -> None:
-        super().__init__(f"the engine queue is full ({num_waiting} waiting, limit {limit}); retry later")
-        self.retry_after_s = retry_after_s
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine does not take requests: not started, draining, stopped or dead (HTTP 503)."""
-
-
-class EngineRequestError(RuntimeError):
-    """The engine finished a request with an error (the model step failed)."""
 
 
 class LoopState(enum.Enum):
@@ -92,65 +81,6 @@ class AsyncEngineStats:
     @property
     def queue_depth(self) -> int:
         return self.num_running + self.num_waiting
-
-
-class RequestStream:
-    """The deltas of one request, as an async iterator of lists (every delta that arrived
-    since the previous read, so a slow reader gets them batched). Ends after the delta
-    with `finished=True`. Closing it before then aborts the request."""
-
-    __slots__ = ("request_id", "_owner", "_buffer", "_ready", "_admitted", "_error", "_finished")
-
-    def __init__(self, request_id: str, owner: "AsyncLLMEngine", loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self._owner = owner
-        self._buffer: list[RequestDelta] = []
-        self._ready = asyncio.Event()
-        self._admitted: asyncio.Future = loop.create_future()
-        self._error: BaseException | None = None
-        self._finished = False
-
-    @property
-    def finished(self) -> bool:
-        return self._finished
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> list[RequestDelta]:
-        while not self._buffer:
-            if self._error is not None:
-                raise self._error
-            if self._finished:
-                raise StopAsyncIteration
-            self._ready.clear()
-            await self._ready.wait()
-        deltas, self._buffer = self._buffer, []
-        return deltas
-
-    async def aclose(self) -> None:
-        """Stop reading; aborts the request if it has not finished."""
-        self.close()
-
-    def close(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._owner._abort(self.request_id)
-            self._ready.set()  # a reader waiting in __anext__ ends
-
-    # called on the event loop by AsyncLLMEngine
-    def _push(self, delta: RequestDelta) -> None:
-        self._buffer.append(delta)
-        if delta.finished:
-            self._finished = True
-        self._ready.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._finished = True
-        if not self._admitted.done():
-            self._admitted.set_exception(error)
-        self._ready.set()
 
 
 class AsyncLLMEngine:
