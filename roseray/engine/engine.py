@@ -27,6 +27,11 @@ from roseray.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    """An argmax of the raw logits is the whole of this request's sampling."""
+    return params.is_greedy and not params.needs_penalties and params.logprobs is None and params.min_tokens == 0
+
+
 @dataclass(slots=True)
 class InFlightStep:
     """A launched step whose sampled tokens the host has not processed yet."""
@@ -79,6 +84,7 @@ class LLMEngine:
         self.overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self._in_flight: InFlightStep | None = None
         self._num_penalty_requests = 0  # running requests whose sampling needs host-side history
+        self._num_not_plain_greedy = 0  # requests that need more than an argmax of the logits
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._log_startup(time.perf_counter() - started)
@@ -145,6 +151,8 @@ class LLMEngine:
         self.scheduler.add(req)
         if sampling_params.needs_penalties:
             self._num_penalty_requests += 1
+        if not _is_plain_greedy(sampling_params):
+            self._num_not_plain_greedy += 1
         self.prompt_tokens_total += len(token_ids)
         return req
 
@@ -200,7 +208,7 @@ class LLMEngine:
             logits, sample_mask = self.runner.run(batch, self.block_manager,
                                                   in_flight.sample.token_ids if in_flight else None)
             sampling = [r for r, m in zip(batch.requests, sample_mask.tolist()) if m]
-            sample = self.sampler.launch(logits, sampling)
+            sample = self.sampler.launch(logits, sampling, all_plain_greedy=self._num_not_plain_greedy == 0)
         except Exception as exc:  # the model or sampler failed: end this step's requests, keep the engine
             logger.exception("engine step failed; finishing its %d requests with an error", len(batch))
             self.last_error = exc
@@ -292,6 +300,8 @@ class LLMEngine:
             req.num_pending = 0
         if req.sampling_params.needs_penalties:
             self._num_penalty_requests -= 1
+        if not _is_plain_greedy(req.sampling_params):
+            self._num_not_plain_greedy -= 1
         req.finish_reason = FINISH_REASONS[status]
         req.finished_time = time.monotonic()
 
@@ -323,3 +333,6 @@ class LLMEngine:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self.block_manager.check_integrity(live)
         assert {r.request_id for r in live} == set(self.requests), "request table disagrees with the scheduler"
+        params = [r.sampling_params for r in self.requests.values()]
+        assert self._num_penalty_requests == sum(p.needs_penalties for p in params), "penalty count drifted"
+        assert self._num_not_plain_greedy == sum(not _is_plain_greedy(p) for p in params), "sampling count drifted"

@@ -124,11 +124,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.launch(logits, requests).result()
 
-    def launch(self, logits: torch.Tensor, requests: list[Request]) -> "PendingSample":
+    def launch(self, logits: torch.Tensor, requests: list[Request], all_plain_greedy: bool = False) -> "PendingSample":
         """Sample on the device and start the copy of the results to the host; nothing
-        waits for the GPU until `PendingSample.result()`."""
+        waits for the GPU until `PendingSample.result()`. `all_plain_greedy`: the caller
+        knows every request wants the argmax alone (skips gathering per-row parameters)."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [len(requests)={len(requests)}, vocab], got {tuple(logits.shape)}")
+        if all_plain_greedy:
+            token_ids = logits.argmax(dim=-1)
+            return PendingSample(token_ids, token_ids, None, None)
         params = BatchParams.from_requests(requests, logits.shape[1])
         if params.is_plain_greedy:
             token_ids = logits.argmax(dim=-1)
@@ -372,7 +376,7 @@ class PendingSample:
     their copy on the way to the host; `result()` waits for that copy only."""
 
     def __init__(self, token_ids: torch.Tensor, packed: torch.Tensor, max_top_n: int | None,
-                 params: BatchParams) -> None:
+                 params: BatchParams | None) -> None:
         self.token_ids = token_ids  # [B] int64, on the device
         self._max_top_n, self._params = max_top_n, params
         if packed.is_cuda:
