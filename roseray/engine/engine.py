@@ -259,7 +259,7 @@ class LLMEngine:
         self.generation_tokens_total += len(deltas)
         commit = self.block_manager.commit_full_blocks
         for req in step.requests:
-            if not req.is_finished and req.status == RequestStatus.RUNNING:
+            if req.status == RequestStatus.RUNNING:
                 commit(req, req.num_tokens - req.num_pending)
         if finished:
             self.scheduler.finish_many(finished, statuses)

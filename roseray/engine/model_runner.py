@@ -52,7 +52,7 @@ class StepInputs:
     """Host-side arrays of one step (views into the staging buffer) plus bookkeeping."""
 
     __slots__ = ("num_tokens", "num_seqs", "max_query_len", "max_seq_len", "num_block_cols", "logits_indices",
-                 "sample_mask", "is_decode", "num_pending", "pending_offset", "offsets")
+                 "sample_mask", "num_pending", "pending_offset", "logits_offset", "offsets")
 
 
 class ModelRunner:
@@ -73,7 +73,7 @@ class ModelRunner:
         set_attention_backend(self.backend)
 
         # One int32 staging buffer for everything a step sends to the device.
-        capacity = (3 * self.max_num_tokens + 4 * self.max_num_seqs + 1 + self.max_num_seqs * self.max_blocks_per_seq
+        capacity = (3 * self.max_num_tokens + 5 * self.max_num_seqs + 1 + self.max_num_seqs * self.max_blocks_per_seq
                     + 8 * ALIGN)
         pin = device.type == "cuda"
         self._host_buffer = torch.zeros(capacity, dtype=torch.int32, pin_memory=pin)
@@ -226,16 +226,20 @@ class ModelRunner:
             self._host[offset: offset + len(pending)] = last[pending]
             self._host[offset + len(pending): offset + 2 * len(pending)] = [reqs[i].sample_row for i in pending]
         pending_offset, offset = offset, offset + 2 * len(pending)
+        # Rows whose chunk reaches the request's end: their last hidden state gives logits.
         sample_mask = (seq_lens == np.fromiter((r.num_tokens for r in reqs), dtype=np.int32, count=num_seqs))
+        logits_indices = last[sample_mask]
+        self._host[offset: offset + len(logits_indices)] = logits_indices
+        logits_offset, offset = offset, offset + len(logits_indices)
         step = StepInputs()
         step.num_tokens, step.num_seqs = padded_tokens, padded_seqs
         step.max_query_len = int(query_lens.max())
         step.max_seq_len = int(seq_lens.max())
         step.num_block_cols = num_block_cols
-        step.logits_indices = last[sample_mask]
+        step.logits_indices = logits_indices
         step.sample_mask = sample_mask
-        step.is_decode = batch.num_tokens == num_seqs
         step.num_pending, step.pending_offset = len(pending), pending_offset
+        step.logits_offset = logits_offset
         step.offsets = offsets
         return step, offset
 
@@ -269,7 +273,8 @@ class ModelRunner:
                                      step.num_seqs, self.block_size)
             with attention_metadata(meta):
                 hidden = self.model(ids, pos)
-        indices = torch.from_numpy(step.logits_indices).to(self.device, non_blocking=True)
+        start = step.logits_offset
+        indices = self._device_buffer[start: start + len(step.logits_indices)]  # part of the one staging copy
         logits = self.model.compute_logits(hidden[indices.long()])
         return logits, step.sample_mask
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from roseray.sampling_params import SamplingParams
 
@@ -49,7 +48,7 @@ class Request:
         "output_text", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "num_preemptions", "eos_token_ids", "stop_token_ids", "max_tokens",
-        "user_data", "scheduled_step", "num_pending", "sample_row",
+        "scheduled_step", "num_pending", "sample_row",
     )
 
     def __init__(
@@ -93,7 +92,6 @@ class Request:
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self.max_tokens = max_tokens
-        self.user_data: Any = None
         self.scheduled_step = -1  # the scheduler step that last scheduled this request
         self.num_pending = 0  # trailing tokens still being sampled on the device (PLACEHOLDER in token_ids)
         self.sample_row = -1  # row of this request in the in-flight step's sampled ids

@@ -44,10 +44,6 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._step = 0  # stamps `Request.scheduled_step`
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
@@ -130,12 +126,7 @@ class Scheduler:
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out of scheduling for good and free its blocks."""
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req.status == RequestStatus.WAITING:
-            self.waiting.remove(req)
-        self.block_manager.free(req)
-        req.status = status
+        self.finish_many([req], [status])
 
     def finish_many(self, reqs: list[Request], statuses: list[RequestStatus]) -> None:
         """Finish several requests at once (one pass over `running`)."""
@@ -143,7 +134,7 @@ class Scheduler:
         if done:
             self.running = [r for r in self.running if id(r) not in done]
         for req, status in zip(reqs, statuses):
-            if req.status == RequestStatus.WAITING:  # preempted while its last token was in flight
+            if req.status == RequestStatus.WAITING:  # queued, or preempted while its last token was in flight
                 self.waiting.remove(req)
             self.block_manager.free(req)
             req.status = status

@@ -2,7 +2,7 @@
 
 Every model calls `Attention(q, k, v)`; the layer writes this step's K/V into the paged
 cache at `slot_mapping` and attends through the block tables. The per-step metadata is
-set once per step by the model runner (`set_attention_metadata`) and read by every
+set once per step by the model runner (`attention_metadata(...)`) and read by every
 layer, so no layer builds index tensors of its own.
 
 Cache layout, per layer: `k_cache`, `v_cache` of shape
@@ -40,10 +40,6 @@ class AttentionMetadata:
     max_seq_len: int
     num_seqs: int
     block_size: int
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
 
 
 class AttentionBackend(Protocol):
@@ -157,10 +153,6 @@ def set_attention_backend(backend: AttentionBackend) -> None:
     _BACKEND = backend
 
 
-def get_attention_backend() -> AttentionBackend:
-    return _BACKEND
-
-
 @contextlib.contextmanager
 def attention_metadata(meta: AttentionMetadata) -> Iterator[None]:
     global _METADATA
@@ -169,11 +161,6 @@ def attention_metadata(meta: AttentionMetadata) -> Iterator[None]:
         yield
     finally:
         _METADATA = previous
-
-
-def set_attention_metadata(meta: AttentionMetadata | None) -> None:
-    global _METADATA
-    _METADATA = meta
 
 
 def get_attention_metadata() -> AttentionMetadata:
