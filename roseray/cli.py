@@ -32,6 +32,8 @@ ENGINE_ARG_HELP = {
     "cuda_graph_max_batch_size": "largest decode batch captured in a CUDA graph",
     "async_scheduling": "launch step N+1 before processing step N's tokens, overlapping host work with the GPU "
                         "(default: on for CUDA)",
+    "engine_process": "serving: run the engine loop in its own process, so that the HTTP server and the "
+                      "engine do not share one GIL (default: on for CUDA)",
     "revision": "model revision in the HF cache",
     "trust_remote_code": "unused: roseray runs its own model code only",
 }

@@ -48,6 +48,7 @@ class EngineConfig:
     max_logprobs: int = 20
     cuda_graph_max_batch_size: int = 512
     async_scheduling: bool | None = None  # overlap host work with the GPU (default: on for CUDA)
+    engine_process: bool | None = None  # serving: the engine loop in its own process (default: on for CUDA)
     revision: str | None = None
     trust_remote_code: bool = False
 
@@ -87,6 +88,12 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolve_engine_process(self) -> bool:
+        """Whether the async engine runs its loop in a child process (off the server's GIL)."""
+        if self.engine_process is not None:
+            return self.engine_process
+        return self.resolve_device().type == "cuda"
 
     def resolve_dtype(self, model_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

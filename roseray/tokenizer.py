@@ -69,6 +69,7 @@ class ByteTokenizer(Tokenizer):
         self.eos_token_id = self.special_ids["<|endoftext|>"]
         self.all_special_ids = sorted(self.special_ids.values())
         self._special_pattern = re.compile("(" + "|".join(map(re.escape, self.SPECIAL_TOKENS)) + ")")
+        self._pieces: dict[bool, list[bytes]] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """UTF-8 bytes, with special-token strings mapped to their ids. Adds no BOS (like Qwen
@@ -80,6 +81,18 @@ class ByteTokenizer(Tokenizer):
             elif piece:
                 ids.extend(piece.encode("utf-8"))
         return ids
+
+    def piece_table(self, skip_special_tokens: bool = True) -> list[bytes]:
+        """The bytes of every token id, indexed by id (what `decode` concatenates)."""
+        table = self._pieces.get(skip_special_tokens)
+        if table is None:
+            table = [bytes([token_id]) for token_id in range(256)]
+            table += [bytes([_PRINTABLE_FIRST + (token_id - 256) % _NUM_PRINTABLE])
+                      for token_id in range(256, self.vocab_size)]
+            for token_id, text in self.special_text.items():
+                table[token_id] = b"" if skip_special_tokens else text
+            self._pieces[skip_special_tokens] = table
+        return table
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roseray.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from roseray.engine.detokenizer import ByteDetokenizer, IncrementalDetokenizer, find_stop_string, make_detokenizer
+from roseray.tokenizer import ByteTokenizer as PresetByteTokenizer
 
 SPECIAL_ID = 256  # the toy tokenizer's one special token
 
@@ -175,3 +176,32 @@ def test_invalid_utf8_forever_is_released_and_stays_cheap():
     released = "".join(detok.step([0x80]) for _ in range(200))
     assert released.count("\ufffd") >= 190
     assert max(calls) <= 16  # the window stays small
+
+
+# ---- the byte tokenizer's O(1) detokenizer -----------------------------------------------
+PRESET_VOCAB = 600  # bytes, printable stand-ins above 255, three special tokens at the top
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, PRESET_VOCAB - 1), max_size=80), st.booleans(), st.randoms(use_true_random=False))
+def test_byte_detokenizer_equals_full_decode_for_any_ids(output_ids, skip_special, rng):
+    tokenizer = PresetByteTokenizer(PRESET_VOCAB)
+    detok = make_detokenizer(tokenizer, tokenizer.encode("prompt 世"), skip_special)
+    assert isinstance(detok, ByteDetokenizer)
+    text = "".join(detok.step(chunk) for chunk in split_randomly(output_ids, rng)) + detok.flush()
+    assert text == detok.output_text == tokenizer.decode(output_ids, skip_special_tokens=skip_special)
+
+
+def test_byte_detokenizer_holds_an_incomplete_character_and_special_tokens_follow_the_flag():
+    tokenizer = PresetByteTokenizer(PRESET_VOCAB)
+    detok = make_detokenizer(tokenizer, [], skip_special_tokens=False)
+    emoji = list("🙂".encode())
+    assert [detok.step([b]) for b in emoji] == ["", "", "", "🙂"]
+    assert detok.step([tokenizer.eos_token_id]) == "<|endoftext|>"
+    assert make_detokenizer(tokenizer, [], skip_special_tokens=True).step([tokenizer.eos_token_id]) == ""
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        detok.step([PRESET_VOCAB])
+
+
+def test_other_tokenizers_get_the_window_detokenizer():
+    assert isinstance(make_detokenizer(ByteTokenizer(), [1, 2]), IncrementalDetokenizer)

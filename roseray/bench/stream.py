@@ -70,7 +70,8 @@ def run_seed(model: str, num_requests: int, engine_args: dict) -> dict:
         engine.stop()
         if engine._thread is not None:
             engine._thread.join(10.0)
-    return {"workload": "W-seed", "model": model, "num_requests": num_requests, "engine_args": engine_args, **result}
+    return {"workload": "W-seed", "model": model, "num_requests": num_requests, "engine_args": engine_args,
+            "engine_process": config.resolve_engine_process(), **result}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine loop in its own process (default: on for CUDA), or in a thread of this one")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval in seconds: how long a thread may hold the GIL while the "
                              "engine thread waits for it (Python's default is 0.005)")
@@ -90,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    result = run_seed(args.model, args.num_requests, {"enforce_eager": args.enforce_eager, "device": args.device})
+    result = run_seed(args.model, args.num_requests, {"enforce_eager": args.enforce_eager, "device": args.device,
+                                                       "engine_process": args.engine_process})
     result["switch_interval_s"] = sys.getswitchinterval()
-    rows = [("throughput", f"{result['throughput_tok_s']:,.0f} completion tok/s"),
+    rows = [("engine loop", "own process" if result["engine_process"] else "thread of this process"),
+            ("throughput", f"{result['throughput_tok_s']:,.0f} completion tok/s"),
             ("wall", f"{result['wall_s']:.3f} s")]
     for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
         v = result[metric]

@@ -31,6 +31,7 @@ from typing import Any, Callable, Protocol
 
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
+from roseray.engine.engine_process import EngineProcessClient
 from roseray.engine.request import RequestDelta
 from roseray.engine.request_stream import (EngineRequestError, EngineUnavailableError, QueueFullError,
                                            RequestStream)
@@ -117,12 +118,17 @@ class AsyncLLMEngine:
         self._queue_stats = AsyncEngineStats()  # stats as of the last hand-off (asyncio side)
         self.stats = AsyncEngineStats(last_heartbeat=time.monotonic())
         self.dead_error: BaseException | None = None
+        # when the engine last made progress: an engine in another process says so itself
+        self._heartbeat: Callable[[], float] = getattr(engine, "heartbeat", time.monotonic)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, **kwargs) -> "AsyncLLMEngine":
-        """Load the model (LLMEngine) and wrap it; the loop starts with `start()`."""
-        return cls(LLMEngine(config), max_waiting_requests=config.max_waiting_requests,
-                   max_running=config.max_num_seqs, **kwargs)
+        """Load the model and wrap it; the loop starts with `start()`. With
+        `config.engine_process` (the default on CUDA) the model lives in a child process
+        (EngineProcessClient), else in this one (LLMEngine)."""
+        engine = EngineProcessClient(config) if config.resolve_engine_process() else LLMEngine(config)
+        return cls(engine, max_waiting_requests=config.max_waiting_requests, max_running=config.max_num_seqs,
+                   **kwargs)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -313,9 +319,11 @@ class AsyncLLMEngine:
             self.dead_error = error
             self._state = LoopState.DEAD
             self._run_pending_calls()
+            self._close_engine()
             self._call_loop(self._on_dead, error)
             return
         self._run_pending_calls()
+        self._close_engine()
         if self._loop is not None:
             self._call_loop(self._on_dead, EngineUnavailableError("the engine was stopped"))
 
@@ -329,6 +337,14 @@ class AsyncLLMEngine:
                         future.set_result(fn(self.engine))
                     except BaseException as error:  # noqa: BLE001
                         future.set_exception(error)
+
+    def _close_engine(self) -> None:
+        close = getattr(self.engine, "close", None)  # an engine process is stopped with the loop
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the loop is ending anyway
+                logger.exception("closing the engine failed")
 
     def _log_preemptions(self, stats: AsyncEngineStats) -> None:
         now = time.monotonic()
@@ -385,7 +401,7 @@ class AsyncLLMEngine:
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
             num_preemptions_total=s.num_preemptions_total, prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total, num_steps_total=num_steps,
-            last_heartbeat=time.monotonic())
+            last_heartbeat=self._heartbeat())
 
     def _hand_off(self, admissions, deltas, stats, num_drained) -> None:
         if admissions or deltas or num_drained:

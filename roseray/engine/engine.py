@@ -14,9 +14,9 @@ import torch
 
 from roseray.config import EngineConfig
 from roseray.engine.block_manager import BlockManager
-from roseray.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from roseray.engine.detokenizer import find_stop_string, make_detokenizer
 from roseray.engine.model_runner import ModelRunner
-from roseray.engine.request import FINISH_REASONS, PLACEHOLDER, Request, RequestDelta, RequestStatus
+from roseray.engine.request import FINISH_REASONS, PLACEHOLDER, Request, RequestDelta, RequestLimits, RequestStatus
 from roseray.engine.sampler import Sampler
 from roseray.engine.sampler import PendingSample
 from roseray.engine.scheduler import Scheduler, SchedulerOutput
@@ -74,6 +74,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         self.sampler = Sampler(seed=config.seed)
+        self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, config.max_logprobs,
+                                    self.block_manager.num_blocks, config.block_size)
         self.runner.warm_up()
         self.runner.capture_cuda_graphs()
         eos = self.model_config.eos_token_ids or [self.tokenizer.eos_token_id]
@@ -127,26 +129,11 @@ class LLMEngine:
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             prompt_text, token_ids = None, [int(t) for t in prompt]
-        self._validate_prompt(token_ids)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt ({len(token_ids)} tokens) leaves no room for output within "
-                             f"max_model_len ({self.max_model_len})")
-        if sampling_params.logprobs is not None and sampling_params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be at most {self.config.max_logprobs}, got {sampling_params.logprobs}")
-        max_tokens = sampling_params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - len(token_ids)
-        total = len(token_ids) + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens "
-                             f"exceeds max_model_len ({self.max_model_len})")
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens can "
-                             f"never fit in the KV cache ({self.kv_capacity_tokens} tokens)")
+        max_tokens = self.limits.check(token_ids, sampling_params)
         req = Request(request_id, token_ids, sampling_params, prompt=prompt_text, eos_token_ids=self.eos_token_ids,
                       max_tokens=max_tokens, arrival_time=arrival_time)
         if stream_text or sampling_params.stop:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, sampling_params.skip_special_tokens)
+            req.detokenizer = make_detokenizer(self.tokenizer, token_ids, sampling_params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add(req)
         if sampling_params.needs_penalties:
@@ -155,14 +142,6 @@ class LLMEngine:
             self._num_not_plain_greedy += 1
         self.prompt_tokens_total += len(token_ids)
         return req
-
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

@@ -1,0 +1,322 @@
+"""The engine loop in its own process, and the client that stands in for it.
+
+Why: in one process the engine thread and the server's asyncio streams share one GIL,
+so every streamed token's Python (stream wake-ups, SSE framing) delays the next engine
+step. Here a child process owns the model and steps it back to back; the server process
+keeps only the client (`EngineProcessClient`), which `AsyncLLMEngine` drives exactly as
+it drives an in-process `LLMEngine` (same `add_request` / `abort_request` / `step`
+contract), so streams, admission, 429/503, drain and health work unchanged.
+
+Wire: two OS pipes to a `python -m roseray.engine.engine_process` child (no
+multiprocessing start-method magic, no pickle: every message is a JSON list framed by
+`multiprocessing.connection.Connection`):
+
+    client -> engine   ["add", id, token_ids, sampling_params, arrival_time]
+                       ["abort", id]  ["check_integrity", call_id]  ["stop"]
+    engine -> client   ["ready", info] | ["failed", error_type, message]      (once, at start)
+                       ["step", deltas, stats, error]     (after every step with requests)
+                       ["reply", call_id, error_message_or_null, stats]
+
+A step message carries the step's deltas as lists (see `_encode_delta`) and the engine's
+stats; `error` is the repr of the engine's `last_error` when a step failed. The child
+sends while it has requests and blocks on its command pipe when idle. If the server
+process dies, the child's next read or write fails and it exits; if the child dies,
+`step()` raises and the async engine reports the loop dead (503, health fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+
+from roseray.config import EngineConfig
+from roseray.engine.engine import EngineStats, LLMEngine
+from roseray.engine.request import RequestDelta, RequestLimits, RequestSummary
+from roseray.models.loader import load_model_config
+from roseray.sampling_params import SamplingParams
+from roseray.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_STATS_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage",
+                 "prefix_cache_hits", "prefix_cache_queries", "num_preemptions_total", "prompt_tokens_total",
+                 "generation_tokens_total")
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+_decode = json.JSONDecoder().decode
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed a step (carries its error's repr) or went away."""
+
+
+# ---- the child ---------------------------------------------------------------------------
+def _encode_delta(delta: RequestDelta) -> list:
+    """[id, token_ids, text, finished, finish_reason, logprobs, n_prompt, n_output, summary]."""
+    logprobs = delta.new_logprobs
+    if logprobs is not None:
+        logprobs = [list(entry.items()) for entry in logprobs]
+    summary = None
+    if delta.finished:
+        req = delta.request
+        summary = [req.first_scheduled_time, req.num_cached_tokens, req.stop_reason]
+    return [delta.request_id, delta.new_token_ids, delta.new_text, delta.finished, delta.finish_reason, logprobs,
+            delta.num_prompt_tokens, delta.num_output_tokens, summary]
+
+
+def _stats(engine) -> list:
+    s = engine.get_stats()
+    return [getattr(s, name) for name in _STATS_FIELDS]
+
+
+def serve_engine(engine, commands: Connection, outputs: Connection) -> None:
+    """Step `engine` while it has requests, apply commands between steps, send every
+    step's deltas. Returns on "stop" or when the server's end of a pipe is gone."""
+    send, recv, poll = outputs.send_bytes, commands.recv_bytes, commands.poll
+    last_error = None
+    while True:
+        if not engine.has_unfinished_requests():
+            if _apply(engine, _decode(recv().decode()), send):  # idle: block until told something
+                return
+        while poll():
+            if _apply(engine, _decode(recv().decode()), send):
+                return
+        if not engine.has_unfinished_requests():
+            continue
+        deltas = engine.step()
+        error = engine.last_error
+        error_text = None
+        if error is not None and error is not last_error:
+            last_error, error_text = error, repr(error)
+        send(_encode(["step", [_encode_delta(d) for d in deltas], _stats(engine), error_text]).encode())
+
+
+def _apply(engine, command: list, send) -> bool:
+    """Apply one command; True means stop."""
+    kind = command[0]
+    if kind == "add":
+        _, request_id, token_ids, params, arrival = command
+        try:
+            engine.add_request(request_id, token_ids, SamplingParams(**params), arrival_time=arrival)
+        except Exception as error:  # noqa: BLE001 - the client checked it; report it as a failed request
+            logger.exception("add_request failed in the engine process")
+            failed = [request_id, [], "", True, "error", None, len(token_ids), 0, [None, 0, None]]
+            send(_encode(["step", [failed], _stats(engine), None]).encode())
+    elif kind == "abort":
+        engine.abort_request(command[1])
+    elif kind == "check_integrity":
+        try:
+            engine.check_integrity()
+            failure = None
+        except AssertionError as error:
+            failure = str(error) or "integrity check failed"
+        send(_encode(["reply", command[1], failure, _stats(engine)]).encode())
+    elif kind == "stop":
+        return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="roseray's engine process (started by EngineProcessClient)")
+    parser.add_argument("--commands-fd", type=int, required=True)
+    parser.add_argument("--outputs-fd", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s engine-process %(name)s: %(message)s")
+    commands, outputs = Connection(args.commands_fd), Connection(args.outputs_fd, readable=False)
+    try:
+        config = EngineConfig(**_decode(commands.recv_bytes().decode()))
+        engine = LLMEngine(config)
+    except Exception as error:  # noqa: BLE001 - reported to the client, which raises it
+        logger.exception("the engine process could not start")
+        outputs.send_bytes(_encode(["failed", type(error).__name__, str(error)]).encode())
+        return 1
+    info = {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
+            "limits": dataclasses.asdict(engine.limits), "kv_capacity_tokens": engine.kv_capacity_tokens,
+            "pid": os.getpid()}
+    outputs.send_bytes(_encode(["ready", info]).encode())
+    try:
+        serve_engine(engine, commands, outputs)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        logger.info("the server process is gone; the engine process exits")
+    return 0
+
+
+# ---- the client (in the server process) ----------------------------------------------------
+class EngineProcessClient:
+    """Starts the engine process and speaks for it: what AsyncLLMEngine's loop thread calls
+    (`add_request`, `abort_request`, `step`, `has_unfinished_requests`, `get_stats`,
+    `check_integrity`, `last_error`) plus what the server reads (`model_name`,
+    `max_model_len`, `config`, `tokenizer`). One thread (the async engine's loop) calls it."""
+
+    def __init__(self, config: EngineConfig, *, poll_s: float = 0.01, start_timeout_s: float | None = None) -> None:
+        self.config = config
+        self.model_config = load_model_config(config.model, revision=config.revision)
+        self.tokenizer = load_tokenizer(config.tokenizer, self.model_config)
+        self.poll_s = poll_s
+        self.last_error: BaseException | None = None
+        self._unfinished: set[str] = set()
+        self._arrivals: dict[str, float] = {}
+        self._backlog: list[RequestDelta] = []  # step deltas read while waiting for a reply
+        self._stats = None
+        self._last_message = time.monotonic()
+        self._replies: dict[int, list] = {}
+        self._next_call = 0
+        self._closed = False
+        self._process, self._commands, self._outputs = self._spawn(config)
+        info = self._wait_ready(start_timeout_s)
+        self.model_name: str = info["model_name"]
+        self.max_model_len: int = info["max_model_len"]
+        self.kv_capacity_tokens: int = info["kv_capacity_tokens"]
+        self.limits = RequestLimits(**info["limits"])
+        self.pid: int = info["pid"]
+
+    @staticmethod
+    def _spawn(config: EngineConfig):
+        cmd_r, cmd_w = os.pipe()
+        out_r, out_w = os.pipe()
+        level = logging.getLevelName(logging.getLogger("roseray").getEffectiveLevel())
+        process = subprocess.Popen(
+            [sys.executable, "-m", "roseray.engine.engine_process", "--commands-fd", str(cmd_r),
+             "--outputs-fd", str(out_w), "--log-level", level if isinstance(level, str) else "INFO"],
+            pass_fds=(cmd_r, out_w), stdin=subprocess.DEVNULL, start_new_session=True)
+        os.close(cmd_r)
+        os.close(out_w)
+        commands, outputs = Connection(cmd_w, readable=False), Connection(out_r, writable=False)
+        commands.send_bytes(_encode(dataclasses.asdict(config)).encode())
+        return process, commands, outputs
+
+    def _wait_ready(self, timeout_s: float | None) -> dict:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._outputs.poll(0.5):
+            if self._process.poll() is not None:
+                raise EngineProcessError(f"the engine process exited with code {self._process.returncode} "
+                                         "before it was ready (its log says why)")
+            if deadline is not None and time.monotonic() > deadline:
+                self.close()
+                raise EngineProcessError(f"the engine process was not ready within {timeout_s:.0f} s")
+        message = _decode(self._outputs.recv_bytes().decode())
+        if message[0] == "failed":
+            self._process.wait(10)
+            error_type = ValueError if message[1] == "ValueError" else EngineProcessError
+            raise error_type(message[2])
+        return message[1]
+
+    # ---- what AsyncLLMEngine calls (its loop thread) -----------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams, *,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self._unfinished:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self.limits.check(token_ids, sampling_params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        params = {name: getattr(sampling_params, name) for name in _SAMPLING_FIELDS}
+        self._send(["add", request_id, token_ids, params, arrival])
+        self._unfinished.add(request_id)
+        self._arrivals[request_id] = arrival
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id in self._unfinished:
+            self._send(["abort", request_id])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished) or bool(self._backlog)
+
+    def step(self) -> list[RequestDelta]:
+        """Every delta the engine process sent since the last call (several steps' worth
+        when this side fell behind); [] when nothing arrived within `poll_s`."""
+        deltas, self._backlog = self._backlog, []
+        outputs = self._outputs
+        if not deltas and not outputs.poll(self.poll_s):
+            self._check_alive()
+            return deltas
+        while outputs.poll():
+            self._read(deltas)
+        return deltas
+
+    def get_stats(self):
+        if self._stats is None:
+            return EngineStats(0, 0, self.limits.num_blocks, self.limits.num_blocks, 0.0, 0, 0, 0, 0, 0)
+        return EngineStats(*self._stats)
+
+    def check_integrity(self, timeout_s: float = 30.0) -> None:
+        """The engine's accounting check, run in the engine process between two steps."""
+        call_id = self._next_call
+        self._next_call += 1
+        self._send(["check_integrity", call_id])
+        deadline = time.monotonic() + timeout_s
+        while call_id not in self._replies:
+            if not self._outputs.poll(max(0.0, deadline - time.monotonic())):
+                raise EngineProcessError(f"the engine process did not answer within {timeout_s:.0f} s")
+            self._read(self._backlog)
+        failure = self._replies.pop(call_id)
+        if failure is not None:
+            raise AssertionError(failure)
+
+    def heartbeat(self) -> float:
+        """When the engine process last showed progress (now when it has nothing to do)."""
+        return self._last_message if self._unfinished else time.monotonic()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine process (it finishes the step it is in)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._commands.send_bytes(_encode(["stop"]).encode())
+        except OSError:
+            pass
+        try:
+            self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._commands.close()
+        self._outputs.close()
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _send(self, message: list) -> None:
+        try:
+            self._commands.send_bytes(_encode(message).encode())
+        except OSError as error:
+            raise EngineProcessError(f"the engine process is gone ({error})") from None
+
+    def _check_alive(self) -> None:
+        if self._process.poll() is not None:
+            raise EngineProcessError(f"the engine process exited with code {self._process.returncode}")
+
+    def _read(self, deltas: list[RequestDelta]) -> None:
+        try:
+            message = _decode(self._outputs.recv_bytes().decode())
+        except (EOFError, OSError):
+            self._process.poll()
+            raise EngineProcessError(f"the engine process is gone (exit code {self._process.returncode})") from None
+        self._last_message = time.monotonic()
+        if message[0] == "reply":
+            _, call_id, failure, self._stats = message
+            self._replies[call_id] = failure
+            return
+        _, encoded, self._stats, error = message
+        if error is not None:
+            self.last_error = EngineProcessError(error)
+        unfinished, arrivals = self._unfinished, self._arrivals
+        for request_id, token_ids, text, finished, reason, logprobs, n_prompt, n_output, summary in encoded:
+            if logprobs is not None:
+                logprobs = [{int(token): value for token, value in entry} for entry in logprobs]
+            request = None
+            if finished:
+                unfinished.discard(request_id)
+                request = RequestSummary(arrivals.pop(request_id, 0.0), *summary)
+            deltas.append(RequestDelta(request_id, token_ids, text, finished, reason, logprobs, n_prompt, n_output,
+                                       request))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""The engine loop in its own process (EngineProcessClient behind AsyncLLMEngine), on CPU
+with random:tiny: the same outputs as the in-process engine, admission errors, aborts
+and disconnects freeing blocks in the child, a killed child failing its streams (503,
+health), a failed start raising the child's error, and the HTTP app on top of it."""
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from roseray.config import EngineConfig
+from roseray.engine.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState
+from roseray.engine.engine_process import EngineProcessError
+from roseray.engine.request import RequestSummary
+from roseray.sampling_params import SamplingParams
+from tests.test_server_api import serving, sse_events, wait_until_idle
+
+MODEL = "random:tiny"
+
+
+def config(**overrides) -> EngineConfig:
+    values = dict(model=MODEL, device="cpu", num_kv_blocks=128, max_model_len=1024, max_num_seqs=8)
+    return EngineConfig(**{**values, **overrides})
+
+
+REQUESTS = [
+    ([1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)),
+    ("hello there", SamplingParams(temperature=0.0, max_tokens=17, logprobs=3, ignore_eos=True)),
+    ([9] * 40, SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)),
+    ([5, 6], SamplingParams(temperature=0.0, max_tokens=30, stop=["iii"], ignore_eos=True)),
+    ([7, 7, 7], SamplingParams(temperature=0.0, max_tokens=12, presence_penalty=0.5, ignore_eos=True)),
+]
+
+
+async def generate_all(engine: AsyncLLMEngine) -> list[tuple]:
+    async def one(i, prompt, params):
+        stream = await engine.add_request(f"r{i}", prompt, params)
+        tokens, text, logprobs, last = [], "", [], None
+        async for deltas in stream:
+            for delta in deltas:
+                tokens += delta.new_token_ids
+                text += delta.new_text
+                logprobs += delta.new_logprobs or []
+                last = delta
+        return tokens, text, logprobs, last.finish_reason, last.request.stop_reason, last.num_output_tokens
+
+    results = await asyncio.gather(*[one(i, p, s) for i, (p, s) in enumerate(REQUESTS)])
+    counts = await engine.check_integrity()
+    assert counts["num_free_blocks"] == counts["num_total_blocks"]
+    return results
+
+
+def run_engine(engine_process: bool):
+    async def main():
+        engine = AsyncLLMEngine.from_engine_config(config(engine_process=engine_process))
+        engine.start()
+        try:
+            return await generate_all(engine)
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_outputs_equal_the_in_process_engine():
+    in_thread, in_child = run_engine(False), run_engine(True)
+    assert in_child == in_thread
+    assert in_child[1][2] and all(isinstance(k, int) for k in in_child[1][2][0])  # logprobs keyed by token id
+    assert in_child[3][3] == "stop" and in_child[3][4] == "iii"  # the stop string, reported as stop_reason
+
+
+@pytest.fixture(scope="module")
+def child_engine():
+    engine = AsyncLLMEngine.from_engine_config(config(engine_process=True, max_logprobs=4), heartbeat_s=0.2)
+    yield engine
+    engine.stop()
+    engine._thread.join(15)
+
+
+def test_admission_errors_are_the_engine_messages(child_engine):
+    async def main():
+        child_engine.start()
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await child_engine.add_request("bad-id", [10**6], SamplingParams())
+        with pytest.raises(ValueError, match="exceeds max_model_len"):
+            await child_engine.add_request("too-long", [1] * 1000, SamplingParams(max_tokens=100))
+        with pytest.raises(ValueError, match="logprobs must be at most 4"):
+            await child_engine.add_request("lp", [1], SamplingParams(logprobs=5))
+        assert (await child_engine.check_integrity())["num_running"] == 0
+
+    asyncio.run(main())
+    child_engine._loop = None
+
+
+def test_closing_a_stream_aborts_in_the_child_and_frees_its_blocks(child_engine):
+    async def main():
+        child_engine.start()
+        stream = await child_engine.add_request("long", [1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True))
+        received = 0
+        async for deltas in stream:
+            received += sum(len(d.new_token_ids) for d in deltas)
+            if received >= 5:
+                break
+        stream.close()
+        deadline = time.monotonic() + 10
+        while child_engine.engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the abort did not reach the engine process"
+            await asyncio.sleep(0.01)
+        counts = await child_engine.check_integrity()
+        assert counts["num_free_blocks"] == counts["num_total_blocks"] and counts["num_running"] == 0
+        assert child_engine.stats.generation_tokens_total < 1000
+
+    asyncio.run(main())
+    child_engine._loop = None
+
+
+def test_a_killed_engine_process_fails_streams_and_health():
+    async def main():
+        engine = AsyncLLMEngine.from_engine_config(config(engine_process=True), heartbeat_s=0.2)
+        engine.start()
+        stream = await engine.add_request("victim", [1, 2], SamplingParams(max_tokens=1000, ignore_eos=True))
+        await stream.__anext__()
+        os.kill(engine.engine.pid, signal.SIGKILL)
+        with pytest.raises(EngineUnavailableError, match="engine loop died"):
+            async for _ in stream:
+                pass
+        assert engine.state is LoopState.DEAD and isinstance(engine.dead_error, EngineProcessError)
+        with pytest.raises(RuntimeError, match="engine loop died"):
+            engine.check_health()
+        with pytest.raises(EngineUnavailableError):
+            await engine.add_request("after", [1], SamplingParams())
+
+    asyncio.run(main())
+
+
+def test_a_failed_start_raises_the_engine_processes_error():
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        AsyncLLMEngine.from_engine_config(config(engine_process=True, max_model_len=10**6))
+
+
+def test_stop_ends_the_engine_process():
+    engine = AsyncLLMEngine.from_engine_config(config(engine_process=True))
+    engine.start()
+    process = engine.engine._process
+    engine.stop()
+    engine._thread.join(15)
+    assert process.wait(10) == 0
+
+
+def test_finished_deltas_carry_the_request_summary(child_engine):
+    async def main():
+        child_engine.start()
+        stream = await child_engine.add_request("summary", [3, 4], SamplingParams(max_tokens=4, ignore_eos=True))
+        last = [d async for deltas in stream for d in deltas][-1]
+        assert last.finished and isinstance(last.request, RequestSummary)
+        assert last.request.first_scheduled_time is None or last.request.first_scheduled_time >= last.request.arrival_time
+        assert last.num_output_tokens == 4 and last.request.num_cached_tokens == 0
+
+    asyncio.run(main())
+    child_engine._loop = None
+
+
+def test_http_app_over_the_engine_process():
+    with serving(config(engine_process=True)) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        assert server.engine.engine.pid != os.getpid()
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        events = sse_events(client.post("/v1/completions", json=body).text)
+        assert events[-1]["usage"]["completion_tokens"] == 8
+        whole = client.post("/v1/completions", json={**body, "stream": False}).json()
+        assert whole["choices"][0]["text"] == "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        bad = client.post("/v1/completions", json={**body, "max_tokens": 5000})
+        assert bad.status_code == 400 and "max_model_len" in bad.json()["error"]["message"]
+        # a client that goes away mid-stream: the child aborts it and frees its blocks
+        with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 900}) as response:
+            lines = response.iter_lines()
+            for _ in range(4):
+                next(lines)
+        idle = wait_until_idle(server.engine, timeout_s=10)
+        assert idle.num_free_blocks == idle.num_total_blocks
