@@ -70,6 +70,7 @@ class ByteTokenizer(Tokenizer):
         self.all_special_ids = sorted(self.special_ids.values())
         self._special_pattern = re.compile("(" + "|".join(map(re.escape, self.SPECIAL_TOKENS)) + ")")
         self._pieces: dict[bool, list[bytes]] = {}
+        self._ascii: dict[bool, list[str | None]] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """UTF-8 bytes, with special-token strings mapped to their ids. Adds no BOS (like Qwen
@@ -92,6 +93,14 @@ class ByteTokenizer(Tokenizer):
             for token_id, text in self.special_text.items():
                 table[token_id] = b"" if skip_special_tokens else text
             self._pieces[skip_special_tokens] = table
+        return table
+
+    def ascii_table(self, skip_special_tokens: bool = True) -> list[str | None]:
+        """The text of every token whose bytes are ASCII (None for the others)."""
+        table = self._ascii.get(skip_special_tokens)
+        if table is None:
+            table = [piece.decode("ascii") if piece.isascii() else None for piece in self.piece_table(skip_special_tokens)]
+            self._ascii[skip_special_tokens] = table
         return table
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

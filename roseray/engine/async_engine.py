@@ -31,7 +31,7 @@ from typing import Any, Callable, Protocol
 
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
-from roseray.engine.engine_process import EngineProcessClient
+from roseray.engine.engine_process import EngineProcessClient, freeze_startup_objects
 from roseray.engine.request import RequestDelta
 from roseray.engine.request_stream import (EngineRequestError, EngineUnavailableError, QueueFullError,
                                            RequestStream)
@@ -135,6 +135,7 @@ class AsyncLLMEngine:
         if self._state is not LoopState.NEW:
             return
         self._state = LoopState.RUNNING
+        freeze_startup_objects()
         self.stats = self._snapshot(0)
         self._thread = threading.Thread(target=self._run, name="roseray-engine-loop", daemon=True)
         self._thread.start()

@@ -90,27 +90,36 @@ class IncrementalDetokenizer:
 class ByteDetokenizer:
     """The incremental detokenizer of the byte tokenizer (random presets): every token is
     a fixed byte string, so an incremental UTF-8 decoder gives exactly `decode(output ids)`
-    at O(1) per token (a held incomplete character is the decoder's own state)."""
+    at O(1) per token (a held incomplete character is the decoder's own state). A token
+    that is plain ASCII while no character is held skips the decoder (a table lookup)."""
 
-    __slots__ = ("_pieces", "_decoder", "output_text")
+    __slots__ = ("_pieces", "_ascii", "_decoder", "_holding", "output_text")
 
-    def __init__(self, pieces: list[bytes]) -> None:
-        self._pieces = pieces
+    def __init__(self, pieces: list[bytes], ascii_text: list[str | None]) -> None:
+        self._pieces, self._ascii = pieces, ascii_text
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._holding = False  # the decoder holds the first bytes of a character
         self.output_text = ""
 
     def step(self, new_token_ids: list[int]) -> str:
+        if len(new_token_ids) == 1 and not self._holding:
+            token_id = new_token_ids[0]
+            if 0 <= token_id < len(self._ascii):
+                text = self._ascii[token_id]
+                if text is not None:
+                    self.output_text += text
+                    return text
         pieces = self._pieces
-        try:
-            data = b"".join([pieces[t] for t in new_token_ids])
-        except IndexError:
-            raise ValueError(f"a token id of {new_token_ids} is outside the vocabulary [0, {len(pieces)})") from None
-        text = self._decoder.decode(data)
+        if any(not 0 <= t < len(pieces) for t in new_token_ids):
+            raise ValueError(f"a token id of {new_token_ids} is outside the vocabulary [0, {len(pieces)})")
+        text = self._decoder.decode(b"".join([pieces[t] for t in new_token_ids]))
+        self._holding = bool(self._decoder.getstate()[0])
         self.output_text += text
         return text
 
     def flush(self) -> str:
         text = self._decoder.decode(b"", True)
+        self._holding = False
         self.output_text += text
         return text
 
@@ -119,7 +128,7 @@ def make_detokenizer(tokenizer, prompt_token_ids: list[int], skip_special_tokens
     """The fastest exact incremental detokenizer for `tokenizer`."""
     piece_table = getattr(tokenizer, "piece_table", None)
     if piece_table is not None:
-        return ByteDetokenizer(piece_table(skip_special_tokens))
+        return ByteDetokenizer(piece_table(skip_special_tokens), tokenizer.ascii_table(skip_special_tokens))
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
 
 

@@ -205,13 +205,15 @@ class LLMEngine:
         return InFlightStep(batch.requests, sampling, output_index, sample)
 
     def _process(self, step: "InFlightStep") -> list[RequestDelta]:
-        """Turn a launched step's sampled tokens into request updates and deltas."""
+        """Turn a launched step's sampled tokens into request updates and deltas (the
+        per-token hot loop of the host: keep it to attribute reads and list writes)."""
         sampled = step.sample.result()
         now = time.monotonic()
         deltas, finished, statuses = [], [], []
         logprobs = sampled.logprobs
+        max_model_len = self.max_model_len
         for i, (req, token, index) in enumerate(zip(step.sampling, sampled.token_ids, step.output_index)):
-            if req.is_finished:
+            if req.status >= RequestStatus.FINISHED_STOPPED:
                 continue  # aborted or stopped while this step ran: its token is dropped
             req.num_pending -= 1
             req.output_token_ids[index] = token
@@ -224,22 +226,30 @@ class LLMEngine:
                 new_logprobs = [logprobs[i]]
                 req.logprobs.append(logprobs[i])
                 req.cumulative_logprob += logprobs[i].get(token, 0.0)
-            status = self._check_stop(req, token, index + 1)
+            num_output = index + 1
+            status = None
+            if (num_output >= req.max_tokens or token in req.eos_token_ids or token in req.stop_token_ids
+                    or req.num_prompt_tokens + num_output >= max_model_len):
+                status = self._check_stop(req, token, num_output)
             new_text = req.detokenizer.step([token]) if req.detokenizer is not None else ""
-            if new_text and req.sampling_params.stop:
-                new_text, status = self._check_stop_strings(req, new_text, status)
-            elif new_text:
-                req.output_text += new_text
+            if new_text:
+                if req.sampling_params.stop:
+                    new_text, status = self._check_stop_strings(req, new_text, status)
+                else:
+                    req.output_text += new_text
             if status is not None:  # a token launched after the stop is dropped by _finalize
                 finished.append(req)
                 statuses.append(status)
                 self._finalize(req, status)
-            deltas.append(self._delta(req, [token], new_text, new_logprobs, status is not None))
+            deltas.append(RequestDelta(req.request_id, [token], new_text, status is not None, req.finish_reason,
+                                       new_logprobs, req.num_prompt_tokens, len(req.output_token_ids), req))
         self.generation_tokens_total += len(deltas)
-        commit = self.block_manager.commit_full_blocks
-        for req in step.requests:
-            if req.status == RequestStatus.RUNNING:
-                commit(req, req.num_tokens - req.num_pending)
+        if self.config.enable_prefix_caching:
+            commit, block_size = self.block_manager.commit_full_blocks, self.config.block_size
+            for req in step.requests:
+                known = len(req.token_ids) - req.num_pending
+                if req.status == RequestStatus.RUNNING and known // block_size > req.num_committed_blocks:
+                    commit(req, known)
         if finished:
             self.scheduler.finish_many(finished, statuses)
             for req in finished:

@@ -11,14 +11,18 @@ Wire: two OS pipes to a `python -m roseray.engine.engine_process` child (no
 multiprocessing start-method magic, no pickle: every message is a JSON list framed by
 `multiprocessing.connection.Connection`):
 
-    client -> engine   ["add", id, token_ids, sampling_params, arrival_time]
-                       ["abort", id]  ["check_integrity", call_id]  ["stop"]
+    client -> engine   ["add", handle, token_ids, sampling_params, arrival_time]
+                       ["abort", handle]  ["check_integrity", call_id]  ["stop"]
     engine -> client   ["ready", info] | ["failed", error_type, message]      (once, at start)
-                       ["step", deltas, stats, error]     (after every step with requests)
+                       ["step", handles, token_ids, texts, num_outputs, extras, stats, error]
+                                                          (after every step with requests)
                        ["reply", call_id, error_message_or_null, stats]
 
-A step message carries the step's deltas as lists (see `_encode_delta`) and the engine's
-stats; `error` is the repr of the engine's `last_error` when a step failed. The child
+Requests are named by short handles ("0", "1", ...) that the client maps back to the
+server's request ids. A step message is columnar (one list per field, the common delta
+costs a handle, a token list, a text and a count); `extras` holds the rare parts by
+delta index: [index, finished, finish_reason, logprobs, summary] (see `encode_step`).
+`error` is the repr of the engine's `last_error` when a step failed. The child
 sends while it has requests and blocks on its command pipe when idle. If the server
 process dies, the child's next read or write fails and it exits; if the child dies,
 `step()` raises and the async engine reports the loop dead (503, health fails).
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -57,18 +62,31 @@ class EngineProcessError(RuntimeError):
     """The engine process failed a step (carries its error's repr) or went away."""
 
 
+def freeze_startup_objects() -> None:
+    """Move everything alive after start-up (the model, torch, the tokenizer) out of the
+    garbage collector's view: a full collection then scans only what steps allocate,
+    instead of pausing a step for milliseconds."""
+    gc.collect()
+    gc.freeze()
+
+
 # ---- the child ---------------------------------------------------------------------------
-def _encode_delta(delta: RequestDelta) -> list:
-    """[id, token_ids, text, finished, finish_reason, logprobs, n_prompt, n_output, summary]."""
-    logprobs = delta.new_logprobs
-    if logprobs is not None:
-        logprobs = [list(entry.items()) for entry in logprobs]
-    summary = None
-    if delta.finished:
-        req = delta.request
-        summary = [req.first_scheduled_time, req.num_cached_tokens, req.stop_reason]
-    return [delta.request_id, delta.new_token_ids, delta.new_text, delta.finished, delta.finish_reason, logprobs,
-            delta.num_prompt_tokens, delta.num_output_tokens, summary]
+def encode_step(deltas: list[RequestDelta], stats: list, error: str | None) -> bytes:
+    """One step's deltas as a columnar JSON message."""
+    extras = []
+    for index, delta in enumerate(deltas):
+        if delta.finished or delta.new_logprobs is not None:
+            logprobs = delta.new_logprobs
+            if logprobs is not None:
+                logprobs = [list(entry.items()) for entry in logprobs]
+            summary = None
+            if delta.finished:
+                req = delta.request
+                summary = [req.first_scheduled_time, req.num_cached_tokens, req.stop_reason]
+            extras.append([index, delta.finished, delta.finish_reason, logprobs, summary])
+    return _encode(["step", [d.request_id for d in deltas], [d.new_token_ids for d in deltas],
+                    [d.new_text for d in deltas], [d.num_output_tokens for d in deltas], extras, stats,
+                    error]).encode()
 
 
 def _stats(engine) -> list:
@@ -95,7 +113,7 @@ def serve_engine(engine, commands: Connection, outputs: Connection) -> None:
         error_text = None
         if error is not None and error is not last_error:
             last_error, error_text = error, repr(error)
-        send(_encode(["step", [_encode_delta(d) for d in deltas], _stats(engine), error_text]).encode())
+        send(encode_step(deltas, _stats(engine), error_text))
 
 
 def _apply(engine, command: list, send) -> bool:
@@ -107,8 +125,8 @@ def _apply(engine, command: list, send) -> bool:
             engine.add_request(request_id, token_ids, SamplingParams(**params), arrival_time=arrival)
         except Exception as error:  # noqa: BLE001 - the client checked it; report it as a failed request
             logger.exception("add_request failed in the engine process")
-            failed = [request_id, [], "", True, "error", None, len(token_ids), 0, [None, 0, None]]
-            send(_encode(["step", [failed], _stats(engine), None]).encode())
+            send(_encode(["step", [request_id], [[]], [""], [0], [[0, True, "error", None, [None, 0, None]]],
+                          _stats(engine), None]).encode())
     elif kind == "abort":
         engine.abort_request(command[1])
     elif kind == "check_integrity":
@@ -138,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.exception("the engine process could not start")
         outputs.send_bytes(_encode(["failed", type(error).__name__, str(error)]).encode())
         return 1
+    freeze_startup_objects()
     info = {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
             "limits": dataclasses.asdict(engine.limits), "kv_capacity_tokens": engine.kv_capacity_tokens,
             "pid": os.getpid()}
@@ -162,8 +181,9 @@ class EngineProcessClient:
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_config)
         self.poll_s = poll_s
         self.last_error: BaseException | None = None
-        self._unfinished: set[str] = set()
-        self._arrivals: dict[str, float] = {}
+        self._handles: dict[str, str] = {}  # request id -> its handle in the engine process
+        self._requests: dict[str, tuple[str, int, float]] = {}  # handle -> (request id, prompt length, arrival)
+        self._next_handle = 0
         self._backlog: list[RequestDelta] = []  # step deltas read while waiting for a reply
         self._stats = None
         self._last_message = time.monotonic()
@@ -212,22 +232,25 @@ class EngineProcessClient:
     # ---- what AsyncLLMEngine calls (its loop thread) -----------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams, *,
                     arrival_time: float | None = None) -> None:
-        if request_id in self._unfinished:
+        if request_id in self._handles:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.limits.check(token_ids, sampling_params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         params = {name: getattr(sampling_params, name) for name in _SAMPLING_FIELDS}
-        self._send(["add", request_id, token_ids, params, arrival])
-        self._unfinished.add(request_id)
-        self._arrivals[request_id] = arrival
+        handle = str(self._next_handle)
+        self._next_handle += 1
+        self._send(["add", handle, token_ids, params, arrival])
+        self._handles[request_id] = handle
+        self._requests[handle] = (request_id, len(token_ids), arrival)
 
     def abort_request(self, request_id: str) -> None:
-        if request_id in self._unfinished:
-            self._send(["abort", request_id])
+        handle = self._handles.get(request_id)
+        if handle is not None:
+            self._send(["abort", handle])
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._unfinished) or bool(self._backlog)
+        return bool(self._requests) or bool(self._backlog)
 
     def step(self) -> list[RequestDelta]:
         """Every delta the engine process sent since the last call (several steps' worth
@@ -262,7 +285,7 @@ class EngineProcessClient:
 
     def heartbeat(self) -> float:
         """When the engine process last showed progress (now when it has nothing to do)."""
-        return self._last_message if self._unfinished else time.monotonic()
+        return self._last_message if self._requests else time.monotonic()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the engine process (it finishes the step it is in)."""
@@ -303,19 +326,23 @@ class EngineProcessClient:
             _, call_id, failure, self._stats = message
             self._replies[call_id] = failure
             return
-        _, encoded, self._stats, error = message
+        _, handles, token_ids, texts, num_outputs, extras, self._stats, error = message
         if error is not None:
             self.last_error = EngineProcessError(error)
-        unfinished, arrivals = self._unfinished, self._arrivals
-        for request_id, token_ids, text, finished, reason, logprobs, n_prompt, n_output, summary in encoded:
+        requests = self._requests
+        start = len(deltas)
+        for handle, tokens, text, num_output in zip(handles, token_ids, texts, num_outputs):
+            request_id, num_prompt, _ = requests[handle]
+            deltas.append(RequestDelta(request_id, tokens, text, False, None, None, num_prompt, num_output, None))
+        for index, finished, reason, logprobs, summary in extras:
+            delta = deltas[start + index]
             if logprobs is not None:
-                logprobs = [{int(token): value for token, value in entry} for entry in logprobs]
-            request = None
+                delta.new_logprobs = [{int(token): value for token, value in entry} for entry in logprobs]
             if finished:
-                unfinished.discard(request_id)
-                request = RequestSummary(arrivals.pop(request_id, 0.0), *summary)
-            deltas.append(RequestDelta(request_id, token_ids, text, finished, reason, logprobs, n_prompt, n_output,
-                                       request))
+                delta.finished, delta.finish_reason = True, reason
+                handle = handles[index]
+                del self._handles[delta.request_id]
+                delta.request = RequestSummary(requests.pop(handle)[2], *summary)
 
 
 if __name__ == "__main__":

@@ -227,7 +227,7 @@ class ModelRunner:
             self._host[offset + len(pending): offset + 2 * len(pending)] = [reqs[i].sample_row for i in pending]
         pending_offset, offset = offset, offset + 2 * len(pending)
         # Rows whose chunk reaches the request's end: their last hidden state gives logits.
-        sample_mask = (seq_lens == np.fromiter((r.num_tokens for r in reqs), dtype=np.int32, count=num_seqs))
+        sample_mask = (seq_lens == np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int32, count=num_seqs))
         logits_indices = last[sample_mask]
         self._host[offset: offset + len(logits_indices)] = logits_indices
         logits_offset, offset = offset, offset + len(logits_indices)

@@ -51,17 +51,18 @@ class Scheduler:
         self._step += 1
         step, out = self._step, SchedulerOutput()
         budget = self.max_num_batched_tokens
-        block_size = self.block_manager.block_size
+        block_size, max_model_len = self.block_manager.block_size, self.max_model_len
         prefilling: list[Request] = []
 
         # 1. decodes of running requests, oldest first (the common case: no allocation)
         for req in list(self.running):
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if req.num_tokens - req.num_computed_tokens > 1:
+            num_tokens = len(req.token_ids)
+            if num_tokens - req.num_computed_tokens > 1:
                 prefilling.append(req)
                 continue
-            if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            if len(req.output_token_ids) >= req.max_tokens or num_tokens >= max_model_len:
                 continue  # its last token is being sampled by the step in flight
             if budget == 0:
                 break
