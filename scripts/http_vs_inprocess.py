@@ -59,7 +59,9 @@ async def _clients(port: int, model: str, n: int, max_tokens: int) -> dict:
     ttft = [r[1][0] - r[0] for r in results]
     ms = lambda xs: {k: v * 1e3 for k, v in percentiles(xs).items()}  # noqa: E731
     return {"completion_tokens": total, "wall_s": last - started, "throughput_tok_s": total / (last - started),
-            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl)}
+            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl),
+            # events that reached the client together (the server wrote several steps' tokens at once)
+            "gaps_under_50us_fraction": float(np.mean(itl < 50e-6))}
 
 
 def run_http(model: str, n: int, max_tokens: int, port: int) -> dict:
@@ -103,7 +105,8 @@ def main() -> None:
     print(f"in-process {inproc['throughput_tok_s']:,.0f} tok/s (TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms); "
           f"HTTP {http['throughput_tok_s']:,.0f} tok/s = {ratio:.0%}; HTTP ITL p50 {http['itl_ms']['p50']:.2f} ms "
           f"= {itl_over_step:.2f}x the engine step; HTTP TTFT p50 {http['ttft_ms']['p50']:.1f} ms, "
-          f"ITL p99 {http['itl_ms']['p99']:.2f} ms")
+          f"ITL p99 {http['itl_ms']['p99']:.2f} ms; HTTP TPOT p50 {http['tpot_ms']['p50']:.2f} ms; "
+          f"{http['gaps_under_50us_fraction']:.0%} of gaps < 50 us (events that arrived together)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

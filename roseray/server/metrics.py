@@ -9,10 +9,11 @@ nothing for them. Each app has its own registry (several apps may live in one pr
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from roseray.engine.async_engine import AsyncEngineStats
 
@@ -23,6 +24,32 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class TokenGapHistogram:
+    """inter_token_latency_seconds, observed once per streamed token (the hot path): a
+    bisect into plain counters instead of prometheus_client's loop over locked buckets,
+    exported as an ordinary Prometheus histogram at scrape time. One event loop observes
+    and scrapes it."""
+
+    def __init__(self, name: str, doc: str, model_name: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        family.add_metric([self.model_name], buckets, self.sum)
+        yield family
 
 
 class _EngineStatsCollector:
@@ -68,7 +95,9 @@ class ServerMetrics:
             return Histogram(f"roseray:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
 
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
+        self.itl = TokenGapHistogram("roseray:inter_token_latency_seconds", "Time between output tokens.", model_name,
+                                     _ITL_BUCKETS)
+        self.registry.register(self.itl)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
@@ -107,8 +136,7 @@ class RequestTimer:
             num_tokens -= 1
         if num_tokens > 0:
             gap = (now - self.last_token_time) / num_tokens if self.last_token_time is not None else 0.0
-            for _ in range(num_tokens):
-                self.metrics.itl.observe(gap)
+            self.metrics.itl.observe(gap, num_tokens)
         self.last_token_time = now
 
     def on_finish(self, finish_reason: str | None, now: float, *, num_prompt_tokens: int, num_output_tokens: int,

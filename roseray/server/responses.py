@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from functools import lru_cache
+from json.encoder import encode_basestring  # the C string encoder json.dumps uses (ensure_ascii=False)
 from typing import Callable
 
 from roseray.engine.request import RequestDelta
@@ -55,6 +56,16 @@ class ResponseBuilder:
         self.continuous_usage = continuous_usage and include_usage
         self.text_offset = 0  # completions' logprobs.text_offset
         self.sent_role = False
+        # The common event (new text, not the last, no logprobs, no running usage) is this
+        # prefix + the JSON string of the text + this suffix: no dict, no json.dumps.
+        self._text_event = None
+        if num_top_logprobs is None and not self.continuous_usage:
+            marker = "\x00MARK\x00"
+            choice = ({"index": 0, "delta": {"content": marker}, "logprobs": None, "finish_reason": None}
+                      if kind == "chat" else {"index": 0, "text": marker, "logprobs": None, "finish_reason": None})
+            event = sse_event(self._chunk([choice], None, include_usage))
+            prefix, suffix = event.split(json.dumps(marker).encode())
+            self._text_event = (prefix, suffix)
 
     # ---- logprobs ----------------------------------------------------------------------------
     def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict:
@@ -103,7 +114,11 @@ class ResponseBuilder:
             events.append(sse_event(self._chunk(
                 [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
                 None, self.include_usage)))
+        text_event = self._text_event
         for delta in deltas:
+            if text_event is not None and delta.new_text and not delta.finished:
+                events.append(text_event[0] + encode_basestring(delta.new_text).encode() + text_event[1])
+                continue
             if not delta.new_token_ids and not delta.new_text and not delta.finished:
                 continue
             finish = delta.finish_reason if delta.finished else None
