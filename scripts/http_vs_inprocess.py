@@ -1,6 +1,6 @@
 """Issue 4's measurement: W-seed-like requests (128 streams, prompt [15496], 128 greedy
 tokens, ignore_eos) through the in-process AsyncLLMEngine and through HTTP (the same
-FastAPI app served by `roseray serve`, one engine, a separate client process), in one run.
+FastAPI app served by `roseray serve`, one engine, `--client-processes` client processes), in one run.
 
     python scripts/http_vs_inprocess.py [--model random:gpt2] [--out result.json]
 
@@ -27,31 +27,47 @@ from roseray.bench.stream import run_seed
 async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, list[float], int]:
     body = {"model": model, "prompt": [15496], "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
+    sent = time.monotonic()
     times, tokens = [], 0
     async with session.post(url, json=body) as response:
         assert response.status == 200, await response.text()
         async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            now = time.perf_counter()
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if event.get("choices"):
+            now = time.monotonic()
+            if not line.startswith(b"data: {"):
+                continue  # blank separators, [DONE]
+            if b'"choices":[]' in line:  # the usage chunk: the only event parsed (keeps the client light)
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+            else:
                 times.append(now)
     return sent, times, tokens
 
 
-async def _clients(port: int, model: str, n: int, max_tokens: int) -> dict:
+async def _client_streams(port: int, model: str, n: int, max_tokens: int, start_at: float) -> list:
     import aiohttp  # the client side only
 
     url = f"http://127.0.0.1:{port}/v1/completions"
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await asyncio.gather(*[_one(session, url, model, 8) for _ in range(8)])  # warm-up
-        started = time.perf_counter()
-        results = await asyncio.gather(*[_one(session, url, model, max_tokens) for _ in range(n)])
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await _one(session, url, model, 4)  # this process's connection pool and code paths warm
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        return await asyncio.gather(*[_one(session, url, model, max_tokens) for _ in range(n)])
+
+
+def _client_process(args) -> list:
+    return asyncio.run(_client_streams(*args))
+
+
+def _clients(port: int, model: str, n: int, max_tokens: int, processes: int) -> dict:
+    """`n` streams from `processes` client processes that start together (one Python
+    client process caps out near 50k events/s and would time itself, not the server)."""
+    import multiprocessing
+
+    start_at = time.monotonic() + 3.0 + 0.5 * processes
+    shares = [n // processes + (i < n % processes) for i in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        parts = pool.map(_client_process, [(port, model, k, max_tokens, start_at) for k in shares if k])
+    results = [r for part in parts for r in part]
+    started = min(r[0] for r in results)
     last = max(r[1][-1] for r in results)
     total = sum(r[2] for r in results)
     itl = np.concatenate([np.diff(r[1]) for r in results])
@@ -59,12 +75,12 @@ async def _clients(port: int, model: str, n: int, max_tokens: int) -> dict:
     ttft = [r[1][0] - r[0] for r in results]
     ms = lambda xs: {k: v * 1e3 for k, v in percentiles(xs).items()}  # noqa: E731
     return {"completion_tokens": total, "wall_s": last - started, "throughput_tok_s": total / (last - started),
-            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl),
+            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl), "client_processes": processes,
             # events that reached the client together (the server wrote several steps' tokens at once)
             "gaps_under_50us_fraction": float(np.mean(itl < 50e-6))}
 
 
-def run_http(model: str, n: int, max_tokens: int, port: int) -> dict:
+def run_http(model: str, n: int, max_tokens: int, port: int, processes: int) -> dict:
     server = subprocess.Popen([sys.executable, "-m", "roseray.cli", "serve", "--model", model, "--port", str(port),
                                "--max-num-seqs", str(n), "--no-enable-prefix-caching"],
                               stdout=subprocess.DEVNULL, stderr=open(os.environ.get("SERVER_LOG", "/dev/null"), "w"))
@@ -80,7 +96,7 @@ def run_http(model: str, n: int, max_tokens: int, port: int) -> dict:
                 time.sleep(1)
         else:
             raise RuntimeError("the server did not become ready")
-        return asyncio.run(_clients(port, model, n, max_tokens))
+        return _clients(port, model, n, max_tokens, processes)
     finally:
         server.terminate()
         server.wait(60)
@@ -92,11 +108,12 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--client-processes", type=int, default=4, help="client processes sharing the streams")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     # HTTP first: the server process must find the GPU free (each engine sizes its KV
     # cache from the memory left), and the in-process engine runs after it has exited.
-    http = run_http(args.model, args.num_requests, args.max_tokens, args.port)
+    http = run_http(args.model, args.num_requests, args.max_tokens, args.port, args.client_processes)
     inproc = run_seed(args.model, args.num_requests, {})
     ratio = http["throughput_tok_s"] / inproc["throughput_tok_s"]
     itl_over_step = http["itl_ms"]["p50"] / inproc["tpot_ms"]["p50"]
