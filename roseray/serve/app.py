@@ -1,7 +1,8 @@
 """roseray on Ray Serve: Engine replicas (the data plane) behind a Router (the control plane).
 
     client -> HAProxy --POST--> Router /internal/route: KVQueueRequestRouter picks a replica,
-                                signs a ticket
+                                signs a ticket (router.policy power_of_two: Ray Serve's
+                                default PowerOfTwoChoicesRequestRouter picks, for comparison)
            -> HAProxy --------> that Engine replica's own FastAPI app (checks the ticket,
                                 streams SSE itself: no Ray object per token)
 
@@ -73,7 +74,7 @@ class EngineDeployment:
 
     def _check_ticket(self, request: Request) -> str | None:
         if wiring.came_through_serve_proxy(request.scope):
-            return None  # HAProxy's fallback path: Serve's proxy routed it with KVQueueRequestRouter
+            return None  # HAProxy's fallback path: Serve's proxy routed it with the deployment's RequestRouter
         return self.tickets.verify(request.headers.get(TICKET_HEADER), request.headers.get(REQUEST_ID_HEADER))
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -96,10 +97,12 @@ class EngineDeployment:
 class RouterDeployment:
     """Answers HAProxy's /internal/route: which Engine replica, plus its ticket."""
 
-    def __init__(self, engine: DeploymentHandle, ticket_secret: str, hint_config: dict) -> None:
+    def __init__(self, engine: DeploymentHandle, ticket_secret: str, hint_config: dict,
+                 policy: str = "kv_queue") -> None:
         self.engine = engine
         self.tickets = TicketSigner(ticket_secret)
         self.hint_config = HintConfig(**hint_config)
+        self.policy = policy
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
@@ -111,9 +114,13 @@ class RouterDeployment:
         request_id = request.headers.get(REQUEST_ID_HEADER)
         if not request_id:
             return JSONResponse({"detail": f"missing {REQUEST_ID_HEADER}"}, status_code=400)
-        hint = hint_from_body(await request.body(), request.headers.get(wiring.SESSION_HEADER), self.hint_config)
         try:
-            pick = await wiring.pick_replica(self.engine, hint)
+            if self.policy == "power_of_two":
+                pick = await pick_with_reservation(self.engine)
+            else:
+                hint = hint_from_body(await request.body(), request.headers.get(wiring.SESSION_HEADER),
+                                      self.hint_config)
+                pick = await wiring.pick_replica(self.engine, hint)
         except RuntimeError as error:
             return JSONResponse({"detail": str(error)}, status_code=503)
         return wiring.route_answer(pick, {TICKET_HEADER: self.tickets.sign(request_id)})
@@ -122,12 +129,39 @@ class RouterDeployment:
         return {"status": "ok"}
 
 
+async def pick_with_reservation(handle: DeploymentHandle) -> wiring.ReplicaPick:
+    """The replica chosen by the deployment's RequestRouter through Serve's full procedure:
+    `choose_replica()` with its default slot reservation, as a DeploymentHandle call routes.
+
+    For router.policy power_of_two (Ray's PowerOfTwoChoicesRequestRouter). The pick-only
+    path (`wiring.pick_replica`, `_reserve=False`) takes the first replica the router ranks
+    and never looks at queue lengths; Ray's class ranks two random replicas unsorted, so
+    through that path it would route at random. Here Serve keeps the one of the two with
+    the shorter queue (its cached lengths: refreshed by every reservation's and release's
+    reply, probed when missing or older than 10 s), reserves a slot there and releases it
+    when this returns, since HAProxy, not Serve, carries the request: two actor calls per
+    request that KVQueueRequestRouter does not make. A queue length is the replica's count
+    of ongoing requests, streams on its own port included; picks still on their way there
+    are not in it. (Reads the same private field of the selection as wiring.pick_replica.)"""
+    async with handle.choose_replica() as selection:
+        replica = selection._replica
+        endpoint = replica.backend_http_endpoint
+        if endpoint is None:
+            raise RuntimeError(f"replica {selection.replica_id} has no HTTP port yet")
+        return wiring.ReplicaPick(host=endpoint[0], port=endpoint[1], replica_id=replica.replica_id.to_full_id_str())
+
+
 class RouterArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     stats_period_s: float = 0.5  # how often Serve pulls record_routing_stats from each engine replica
     affinity_max_imbalance: int = 4  # prefix affinity yields when its replica's queue is longer than this
     chars_per_token: float | None = None  # prompt-size estimate; default 1 for random:* (bytes), 4 otherwise
     num_replicas: int = 1  # Router replicas (HAProxy also keeps one per proxy node)
+    # kv_queue: roseray's KVQueueRequestRouter (queue depth, free KV blocks, prefix affinity).
+    # power_of_two: Ray Serve's default PowerOfTwoChoicesRequestRouter on the same data path
+    # (HAProxy -> Router -> the replica streams itself), to compare routers; ignores the KV
+    # stats and affinity_max_imbalance.
+    policy: Literal["kv_queue", "power_of_two"] = "kv_queue"
 
 
 class AppArgs(BaseModel):
@@ -171,6 +205,12 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     chars_per_token = app_args.router.chars_per_token or (1.0 if engine_config.model.startswith("random:") else 4.0)
     hint_config = dataclasses.asdict(HintConfig(block_size=engine_config.block_size, chars_per_token=chars_per_token))
 
+    if app_args.router.policy == "power_of_two":
+        router_class: dict[str, Any] = {}  # RequestRouterConfig's default: Ray's PowerOfTwoChoicesRequestRouter
+    else:
+        router_class = {"request_router_class": KVQueueRequestRouter,
+                        "request_router_kwargs": {"affinity_max_imbalance": app_args.router.affinity_max_imbalance}}
+
     engine = EngineDeployment.options(
         num_replicas=num_replicas,
         ray_actor_options={"num_gpus": num_gpus, "num_cpus": app_args.num_cpus_per_replica},
@@ -179,8 +219,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         health_check_period_s=5.0,
         health_check_timeout_s=30.0,
         request_router_config=RequestRouterConfig(
-            request_router_class=KVQueueRequestRouter,
-            request_router_kwargs={"affinity_max_imbalance": app_args.router.affinity_max_imbalance},
+            **router_class,
             request_routing_stats_period_s=app_args.router.stats_period_s,
             request_routing_stats_timeout_s=max(1.0, 2 * app_args.router.stats_period_s),
         ),
@@ -190,6 +229,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     router = RouterDeployment.options(
         num_replicas=app_args.router.num_replicas, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000,
-    ).bind(engine, secret, hint_config)
-    logger.info("roseray app: %d engine replica(s) of %s, %s GPU each", num_replicas, engine_config.model, num_gpus)
+    ).bind(engine, secret, hint_config, app_args.router.policy)
+    logger.info("roseray app: %d engine replica(s) of %s, %s GPU each, router policy %s", num_replicas,
+                engine_config.model, num_gpus, app_args.router.policy)
     return wiring.attach_ingress_router(engine, router)
