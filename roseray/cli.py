@@ -30,6 +30,8 @@ ENGINE_ARG_HELP = {
     "max_waiting_requests": "queue limit; the server answers 429 past it",
     "max_logprobs": "largest logprobs a request may ask for",
     "cuda_graph_max_batch_size": "largest decode batch captured in a CUDA graph",
+    "cuda_graph_max_tokens": "largest step with prefill chunks run as piecewise CUDA graphs (attention eager between "
+                             "them); 0 runs such steps eagerly",
     "async_scheduling": "launch step N+1 before processing step N's tokens, overlapping host work with the GPU "
                         "(default: on for CUDA)",
     "engine_process": "serving: run the engine loop in its own process, so that the HTTP server and the "

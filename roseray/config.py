@@ -47,6 +47,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024  # queue limit per engine (serving returns 429 past it)
     max_logprobs: int = 20
     cuda_graph_max_batch_size: int = 512
+    cuda_graph_max_tokens: int = 8192  # steps with prefill chunks up to this many tokens: piecewise graphs; 0 = eager
     async_scheduling: bool | None = None  # overlap host work with the GPU (default: on for CUDA)
     engine_process: bool | None = None  # serving: the engine loop in its own process (default: on for CUDA)
     revision: str | None = None
@@ -71,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError(f"cuda_graph_max_tokens must be >= 0 (0 = off); got {self.cuda_graph_max_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
 

@@ -7,6 +7,7 @@ import pytest
 from roseray import LLM, SamplingParams
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
+from roseray.engine.piecewise_graphs import token_buckets
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +203,13 @@ def test_logprobs_beyond_the_engine_limit_are_refused():
     with pytest.raises(ValueError, match="logprobs must be at most 2, got 3"):
         engine.add_request("x", [1, 2], greedy(2, logprobs=3))
     assert not engine.has_unfinished_requests()
+
+
+def test_piecewise_token_buckets_and_cpu_runs_eagerly():
+    assert token_buckets(512) == [32, 64, 128, 256, 512]
+    assert token_buckets(600) == [32, 64, 128, 256, 512, 600]
+    assert token_buckets(16) == [16]
+    llm = LLM("random:tiny", device="cpu", num_kv_blocks=32)
+    assert llm.engine.runner.piecewise is None and not llm.engine.runner.graphs
+    with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
+        LLM("random:tiny", device="cpu", cuda_graph_max_tokens=-1)

@@ -43,11 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--cuda-graph-max-tokens", type=int, default=None,
+                        help="largest step with prefill chunks run as piecewise CUDA graphs (0 = eager)")
     parser.add_argument("--out", default=None, help="write JSON here")
     args = parser.parse_args(argv)
     engine_args = {"enforce_eager": args.enforce_eager}
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.cuda_graph_max_tokens is not None:
+        engine_args["cuda_graph_max_tokens"] = args.cuda_graph_max_tokens
     result = run_nano(args.model, args.num_seqs, engine_args)
     print_table(f"W-nano on {args.model}", [
         ("requests", str(result["num_seqs"])),

@@ -20,6 +20,7 @@ from torch import nn
 
 from roseray.config import EngineConfig, ModelConfig
 from roseray.engine.block_manager import BlockManager
+from roseray.engine.piecewise_graphs import PiecewiseGraphs
 from roseray.engine.scheduler import SchedulerOutput
 from roseray.layers.attention import (
     Attention,
@@ -83,7 +84,8 @@ class ModelRunner:
 
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode-only steps, by batch size
+        self.piecewise: PiecewiseGraphs | None = None  # steps with prefill chunks, by token count
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
 
     # ---- KV cache ----------------------------------------------------------------------
@@ -260,6 +262,7 @@ class ModelRunner:
         requests whose scheduled tokens reach their end, and the boolean mask of those.
         `in_flight_tokens`: the device token ids sampled by the step still in flight."""
         graph_bucket = self._graph_bucket(batch)
+        piece_bucket = 0 if graph_bucket or self.piecewise is None else self.piecewise.bucket_for(batch.num_tokens)
         step, used = self.prepare(batch, block_manager, pad_to=graph_bucket)
         ids, pos, slot, qsl, lens, tables = self._to_device(step, used)
         if step.num_pending:
@@ -271,8 +274,11 @@ class ModelRunner:
         else:
             meta = AttentionMetadata(slot, qsl, lens, tables, step.max_query_len, step.max_seq_len,
                                      step.num_seqs, self.block_size)
-            with attention_metadata(meta):
-                hidden = self.model(ids, pos)
+            if piece_bucket:
+                hidden = self.piecewise.run(piece_bucket, ids, pos, slot, meta)
+            else:
+                with attention_metadata(meta):
+                    hidden = self.model(ids, pos)
         start = step.logits_offset
         indices = self._device_buffer[start: start + len(step.logits_indices)]  # part of the one staging copy
         logits = self.model.compute_logits(hidden[indices.long()])
@@ -317,6 +323,12 @@ class ModelRunner:
         torch.cuda.synchronize(d)
         logger.info("captured %d CUDA graphs for decode batch sizes up to %d in %.1f s",
                     len(self.graphs), max_batch, time.perf_counter() - started)
+        max_tokens = min(self.max_num_tokens, self.config.cuda_graph_max_tokens)
+        if max_tokens > 0:
+            mc = self.model_config
+            self.piecewise = PiecewiseGraphs(self.model, self.backend, max_tokens, self.block_size,
+                                             mc.num_attention_heads, mc.head_dim, self.dtype, d)
+            self.piecewise.capture()
 
     def _replay_graph(self, bucket, ids, pos, slot, lens, tables) -> torch.Tensor:
         self._g_ids[:bucket].copy_(ids)

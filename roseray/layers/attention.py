@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -61,6 +61,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,  # written in place when given
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
@@ -78,8 +79,10 @@ class TorchAttentionBackend:
         k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
-    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        result = paged_attention_reference(query, k_cache, v_cache, meta, scale)
+        return result if out is None else out.copy_(result)
 
 
 def paged_attention_reference(
@@ -146,6 +149,10 @@ def causal_attention_no_cache(query, key, value, meta: AttentionMetadata, scale:
 # The step's metadata and backend, set by the model runner before each forward.
 _METADATA: AttentionMetadata | None = None
 _BACKEND: AttentionBackend = TorchAttentionBackend()
+# Set while the model runner captures piecewise CUDA graphs: called instead of the attention
+# itself (after the KV append), it ends the graph being captured and returns the buffer the
+# attention will write at replay (roseray.engine.piecewise_graphs).
+_SPLIT: Callable[["Attention", torch.Tensor], torch.Tensor] | None = None
 
 
 def set_attention_backend(backend: AttentionBackend) -> None:
@@ -161,6 +168,16 @@ def attention_metadata(meta: AttentionMetadata) -> Iterator[None]:
         yield
     finally:
         _METADATA = previous
+
+
+@contextlib.contextmanager
+def attention_split(split: Callable[["Attention", torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    global _SPLIT
+    previous, _SPLIT = _SPLIT, split
+    try:
+        yield
+    finally:
+        _SPLIT = previous
 
 
 def get_attention_metadata() -> AttentionMetadata:
@@ -195,5 +212,8 @@ class Attention(nn.Module):
             out = causal_attention_no_cache(q, k, v, meta, self.scale)
         else:
             _BACKEND.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = _BACKEND.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+            if _SPLIT is not None:
+                out = _SPLIT(self, q)
+            else:
+                out = _BACKEND.forward(q, self.k_cache, self.v_cache, meta, self.scale)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -33,10 +33,11 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         num_seqs = meta.num_seqs
         return paged_attention(
             query, k_cache, v_cache,
             meta.query_start_loc[: num_seqs + 1], meta.seq_lens[:num_seqs], meta.block_tables[:num_seqs],
-            scale, meta.max_query_len, meta.max_seq_len,
+            scale, meta.max_query_len, meta.max_seq_len, out=out,
         )
