@@ -29,6 +29,7 @@ MODEL=${MODEL:-random:qwen3-0.6b}; MAXLEN=${MAXLEN:-4608}; GPUS=${GPUS:-1}
 ENGINE=${ENGINE:-'{}'}                      # JSON merged into args.engine (EngineConfig fields)
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}; MAX_WAITING=${MAX_WAITING:-1024}   # roseray serve's defaults
 RATES1=${RATES1:-"8 16 32"}; RATES2=${RATES2:-"16 32 64"}; RATESC=${RATESC:-"40"}
+POLICIES_C=${POLICIES_C:-"kv_queue power_of_two"}  # phase c's routers, in order
 SECS=${SECS:-15}; WARMUP=${WARMUP:-5}; DRAIN=${DRAIN:-15}   # measured s, warm-up s, drain s per point
 PROMPTS=${PROMPTS:-128:4096}; OUTPUTS=${OUTPUTS:-64:512}; MAXID=${MAXID:-10000}
 PROMPTS_C=${PROMPTS_C:-128:512}; LONG_EVERY=${LONG_EVERY:-8}; LONG_TOKENS=${LONG_TOKENS:-4096}
@@ -200,7 +201,7 @@ for p in $phases; do
   case $p in
     a) phase a-1r-kv_queue 1 kv_queue "$RATES1" "$PROMPTS" ;;
     b) phase b-2r-kv_queue 2 kv_queue "$RATES2" "$PROMPTS" ;;
-    c) for policy in kv_queue power_of_two; do
+    c) for policy in ${POLICIES_C:-kv_queue power_of_two}; do
          phase "c-2r-$policy" 2 "$policy" "$RATESC" "$PROMPTS_C" \
              --long-prompt-every "$LONG_EVERY" --long-prompt-tokens "$LONG_TOKENS"
        done ;;
