@@ -42,19 +42,19 @@ async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, l
     return sent, times, tokens
 
 
-async def _client_streams(port: int, model: str, n: int, max_tokens: int, start_at: float) -> list:
+async def _client_streams(port: int, model: str, n: int, max_tokens: int, barrier) -> list:
     import aiohttp  # the client side only
 
     url = f"http://127.0.0.1:{port}/v1/completions"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
         await _one(session, url, model, 4)  # this process's connection pool and code paths warm
-        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        barrier.wait()  # every client process is ready: all streams start together
         return await asyncio.gather(*[_one(session, url, model, max_tokens) for _ in range(n)])
 
 
-def _client_process(args) -> list:
-    return asyncio.run(_client_streams(*args))
+def _client_process(port, model, n, max_tokens, barrier, results) -> None:
+    results.put(asyncio.run(_client_streams(port, model, n, max_tokens, barrier)))
 
 
 def _clients(port: int, model: str, n: int, max_tokens: int, processes: int) -> dict:
@@ -62,10 +62,16 @@ def _clients(port: int, model: str, n: int, max_tokens: int, processes: int) -> 
     client process caps out near 50k events/s and would time itself, not the server)."""
     import multiprocessing
 
-    start_at = time.monotonic() + 3.0 + 0.5 * processes
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(processes), ctx.Queue()
     shares = [n // processes + (i < n % processes) for i in range(processes)]
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        parts = pool.map(_client_process, [(port, model, k, max_tokens, start_at) for k in shares if k])
+    workers = [ctx.Process(target=_client_process, args=(port, model, k, max_tokens, barrier, queue))
+               for k in shares]
+    for worker in workers:
+        worker.start()
+    parts = [queue.get(timeout=600) for _ in workers]
+    for worker in workers:
+        worker.join()
     results = [r for part in parts for r in part]
     started = min(r[0] for r in results)
     last = max(r[1][-1] for r in results)
