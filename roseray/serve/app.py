@@ -142,13 +142,8 @@ async def pick_with_reservation(handle: DeploymentHandle) -> wiring.ReplicaPick:
     when this returns, since HAProxy, not Serve, carries the request: two actor calls per
     request that KVQueueRequestRouter does not make. A queue length is the replica's count
     of ongoing requests, streams on its own port included; picks still on their way there
-    are not in it. (Reads the same private field of the selection as wiring.pick_replica.)"""
-    async with handle.choose_replica() as selection:
-        replica = selection._replica
-        endpoint = replica.backend_http_endpoint
-        if endpoint is None:
-            raise RuntimeError(f"replica {selection.replica_id} has no HTTP port yet")
-        return wiring.ReplicaPick(host=endpoint[0], port=endpoint[1], replica_id=replica.replica_id.to_full_id_str())
+    are not in it."""
+    return await wiring.pick_replica(handle, reserve=True)
 
 
 class RouterArgs(BaseModel):

@@ -65,11 +65,15 @@ class ReplicaPick:
     replica_id: str  # the full replica id HAProxy maps to its backend server
 
 
-async def pick_replica(handle: DeploymentHandle, *route_args) -> ReplicaPick:
+async def pick_replica(handle: DeploymentHandle, *route_args, reserve: bool = False) -> ReplicaPick:
     """Run the deployment's RequestRouter (route_args reach it as PendingRequest.args)
-    and return the chosen replica's HTTP endpoint, without reserving a slot: HAProxy, not
-    Serve, carries the request."""
-    async with handle.choose_replica(*route_args, _reserve=False) as selection:
+    and return the chosen replica's HTTP endpoint. By default without reserving a slot
+    (HAProxy, not Serve, carries the request): the router's first-ranked replica.
+    `reserve=True` runs Serve's full procedure instead (queue-length probes, a slot
+    reserved and released when this returns), which routers that rank by Serve's queue
+    lengths, like the default power-of-two router, need to pick at all."""
+    options = {} if reserve else {"_reserve": False}
+    async with handle.choose_replica(*route_args, **options) as selection:
         replica = selection._replica
         endpoint = replica.backend_http_endpoint
         if endpoint is None:
