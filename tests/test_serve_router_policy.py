@@ -6,9 +6,10 @@
 
 Unit: AppArgs accepts only the two policies; the built app gives the Engine deployment Ray's
 class with no router kwargs and the Router deployment the policy. End to end: `serve run` of
-serve_config.yaml with power_of_two and two CPU replicas of random:tiny (its own local Ray:
-the session's shared cluster, tests/conftest.py, runs kv_queue); requests through HAProxy
-succeed on both replicas.
+serve_config.yaml with power_of_two and two CPU replicas of random:tiny whose engine loops
+run in child processes, the GPU default (its own local Ray: the session's shared cluster,
+tests/conftest.py, runs kv_queue with in-thread engines); requests through HAProxy succeed
+on both replicas.
 """
 
 import asyncio
@@ -105,6 +106,7 @@ def power_of_two_app():
     config["http_options"]["port"] = port
     args = config["applications"][0]["args"]
     args["engine"].update(RAY_ENGINE)
+    args["engine"]["engine_process"] = True  # as on GPU: each replica's engine loop in a child process
     args.update(num_replicas=2, num_gpus_per_replica=0, num_cpus_per_replica=0.5, drain_timeout_s=1)
     args["router"].update(policy="power_of_two", stats_period_s=RAY_STATS_PERIOD_S)
     with open(os.path.join(work, "config.yaml"), "w") as f:
