@@ -181,3 +181,28 @@ def test_http_app_over_the_engine_process():
                 next(lines)
         idle = wait_until_idle(server.engine, timeout_s=10)
         assert idle.num_free_blocks == idle.num_total_blocks
+
+
+def test_a_stalled_engine_process_fails_health_and_recovers_when_it_resumes():
+    async def main():
+        engine = AsyncLLMEngine.from_engine_config(config(engine_process=True), heartbeat_s=0.1, stuck_after_s=1.0)
+        engine.start()
+        try:
+            stream = await engine.add_request("slow", [1, 2], SamplingParams(max_tokens=1000, ignore_eos=True))
+            await stream.__anext__()
+            os.kill(engine.engine.pid, signal.SIGSTOP)  # a hung device or a wedged process: no steps, no exit
+            deadline = time.monotonic() + 10
+            while engine.is_alive:
+                assert time.monotonic() < deadline, "a stalled engine process still counts as alive"
+                await asyncio.sleep(0.05)
+            with pytest.raises(RuntimeError, match="stuck"):
+                engine.check_health()
+            os.kill(engine.engine.pid, signal.SIGCONT)
+            async for deltas in stream:  # it finishes once the process runs again
+                pass
+            assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+            engine.check_health()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
