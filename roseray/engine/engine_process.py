@@ -123,7 +123,7 @@ def _apply(engine, command: list, send) -> bool:
         _, request_id, token_ids, params, arrival = command
         try:
             engine.add_request(request_id, token_ids, SamplingParams(**params), arrival_time=arrival)
-        except Exception as error:  # noqa: BLE001 - the client checked it; report it as a failed request
+        except Exception:  # noqa: BLE001 - the client checked it; report it as a failed request
             logger.exception("add_request failed in the engine process")
             send(_encode(["step", [request_id], [[]], [""], [0], [[0, True, "error", None, [None, 0, None]]],
                           _stats(engine), None]).encode())
