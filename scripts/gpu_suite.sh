@@ -13,7 +13,7 @@ python -c "import torch, triton, transformers; print('torch', torch.__version__,
 for part in $parts; do
   echo "=== $part ($(date +%T))"
   case $part in
-    tests)   python -m pytest -q -x tests/test_kernels.py tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    tests)   python -m pytest -q -x tests/test_kernels.py tests/test_gpu_engine.py tests/test_engine_process.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     kernels) python -m roseray.bench kernels --out "$OUT/kernels.json" 2>&1 | tail -30 ;;
     seed)    python -m roseray.bench stream --workload seed --peer-hf --out "$OUT/seed.json" 2>&1 | grep -v " INFO " | tail -25 ;;
     seed-thread) python -m roseray.bench stream --workload seed --no-engine-process --out "$OUT/seed_thread.json" 2>&1 | grep -v " INFO " | tail -25 ;;

@@ -3,6 +3,7 @@ transformers and as eager mode. Skipped without a GPU (run on the GPU host)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 import transformers
 
 from roseray import LLM, SamplingParams
+from roseray.config import EngineConfig
+from roseray.engine.async_engine import AsyncLLMEngine
 from tests.hf_models import make_tiny_model
 
 pytestmark = [pytest.mark.gpu,
@@ -60,3 +63,32 @@ def test_bf16_graphs_equal_eager(model_path):
         del llm
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
+
+
+def test_engine_process_on_cuda_equals_offline(model_path):
+    """The serving default on CUDA: the engine loop in a child process (CUDA graphs,
+    piecewise graphs, async scheduling) streams the same greedy tokens as LLM.generate."""
+    prompts = batch(16, seed=2)
+    llm = LLM(str(model_path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
+              max_num_batched_tokens=128)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    del llm
+    torch.cuda.empty_cache()
+
+    async def serve_all():
+        engine = AsyncLLMEngine.from_engine_config(EngineConfig(
+            model=str(model_path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
+            max_num_batched_tokens=128))
+        assert engine.engine.pid  # an EngineProcessClient: the default on CUDA
+        engine.start()
+
+        async def one(i, prompt):
+            stream = await engine.add_request(f"g{i}", prompt, GREEDY)
+            return [t async for deltas in stream for d in deltas for t in d.new_token_ids]
+
+        try:
+            return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(serve_all()) == expected
