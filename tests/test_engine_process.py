@@ -14,7 +14,7 @@ import pytest
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState
 from roseray.engine.engine import EngineStats
-from roseray.engine.engine_process import EngineProcessError, _apply, _decode, encode_step
+from roseray.engine.engine_process import EngineProcessError, _apply, _loads, encode_step
 from roseray.engine.request import RequestSummary
 from roseray.sampling_params import SamplingParams
 from tests.test_server_api import serving, sse_events, wait_until_idle
@@ -222,7 +222,7 @@ def test_a_request_the_engine_process_cannot_take_finishes_with_an_error():
     sent = []
     stop = _apply(RefusingEngine(), ["add", "7", [1, 2], {"max_tokens": 4}, 0.0], sent.append)
     assert not stop and len(sent) == 1
-    kind, handles, token_ids, texts, num_outputs, extras, stats, error = _decode(sent[0].decode())
+    kind, handles, token_ids, texts, num_outputs, extras, stats, error = _loads(sent[0])
     assert (kind, handles, token_ids, texts, num_outputs, error) == ("step", ["7"], [[]], [""], [0], None)
     assert extras == [[0, True, "error", None, [None, 0, None]]] and stats[3] == 8
-    assert _decode(encode_step([], stats, None).decode())[0] == "step"
+    assert _loads(encode_step([], stats, None))[0] == "step"

@@ -54,8 +54,15 @@ _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _STATS_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage",
                  "prefix_cache_hits", "prefix_cache_queries", "num_preemptions_total", "prompt_tokens_total",
                  "generation_tokens_total")
-_encode = json.JSONEncoder(separators=(",", ":")).encode
-_decode = json.JSONDecoder().decode
+_json_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _dumps(message) -> bytes:
+    return _json_encode(message).encode()
+
+
+def _loads(data: bytes):
+    return json.loads(data)
 
 
 class EngineProcessError(RuntimeError):
@@ -84,9 +91,9 @@ def encode_step(deltas: list[RequestDelta], stats: list, error: str | None) -> b
                 req = delta.request
                 summary = [req.first_scheduled_time, req.num_cached_tokens, req.stop_reason]
             extras.append([index, delta.finished, delta.finish_reason, logprobs, summary])
-    return _encode(["step", [d.request_id for d in deltas], [d.new_token_ids for d in deltas],
+    return _dumps(["step", [d.request_id for d in deltas], [d.new_token_ids for d in deltas],
                     [d.new_text for d in deltas], [d.num_output_tokens for d in deltas], extras, stats,
-                    error]).encode()
+                    error])
 
 
 def _stats(engine) -> list:
@@ -101,10 +108,10 @@ def serve_engine(engine, commands: Connection, outputs: Connection) -> None:
     last_error = None
     while True:
         if not engine.has_unfinished_requests():
-            if _apply(engine, _decode(recv().decode()), send):  # idle: block until told something
+            if _apply(engine, _loads(recv()), send):  # idle: block until told something
                 return
         while poll():
-            if _apply(engine, _decode(recv().decode()), send):
+            if _apply(engine, _loads(recv()), send):
                 return
         if not engine.has_unfinished_requests():
             continue
@@ -125,8 +132,8 @@ def _apply(engine, command: list, send) -> bool:
             engine.add_request(request_id, token_ids, SamplingParams(**params), arrival_time=arrival)
         except Exception:  # noqa: BLE001 - the client checked it; report it as a failed request
             logger.exception("add_request failed in the engine process")
-            send(_encode(["step", [request_id], [[]], [""], [0], [[0, True, "error", None, [None, 0, None]]],
-                          _stats(engine), None]).encode())
+            failed = RequestDelta(request_id, [], "", True, "error", None, len(token_ids), 0, RequestSummary(arrival))
+            send(encode_step([failed], _stats(engine), None))
     elif kind == "abort":
         engine.abort_request(command[1])
     elif kind == "check_integrity":
@@ -135,7 +142,7 @@ def _apply(engine, command: list, send) -> bool:
             failure = None
         except AssertionError as error:
             failure = str(error) or "integrity check failed"
-        send(_encode(["reply", command[1], failure, _stats(engine)]).encode())
+        send(_dumps(["reply", command[1], failure, _stats(engine)]))
     elif kind == "stop":
         return True
     return False
@@ -150,17 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s engine-process %(name)s: %(message)s")
     commands, outputs = Connection(args.commands_fd), Connection(args.outputs_fd, readable=False)
     try:
-        config = EngineConfig(**_decode(commands.recv_bytes().decode()))
+        config = EngineConfig(**_loads(commands.recv_bytes()))
         engine = LLMEngine(config)
     except Exception as error:  # noqa: BLE001 - reported to the client, which raises it
         logger.exception("the engine process could not start")
-        outputs.send_bytes(_encode(["failed", type(error).__name__, str(error)]).encode())
+        outputs.send_bytes(_dumps(["failed", type(error).__name__, str(error)]))
         return 1
     freeze_startup_objects()
-    info = {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
-            "limits": dataclasses.asdict(engine.limits), "kv_capacity_tokens": engine.kv_capacity_tokens,
-            "pid": os.getpid()}
-    outputs.send_bytes(_encode(["ready", info]).encode())
+    info = {"model_name": engine.model_name, "limits": dataclasses.asdict(engine.limits), "pid": os.getpid()}
+    outputs.send_bytes(_dumps(["ready", info]))
     try:
         serve_engine(engine, commands, outputs)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -193,9 +198,8 @@ class EngineProcessClient:
         self._process, self._commands, self._outputs = self._spawn(config)
         info = self._wait_ready(start_timeout_s)
         self.model_name: str = info["model_name"]
-        self.max_model_len: int = info["max_model_len"]
-        self.kv_capacity_tokens: int = info["kv_capacity_tokens"]
         self.limits = RequestLimits(**info["limits"])
+        self.max_model_len = self.limits.max_model_len
         self.pid: int = info["pid"]
 
     @staticmethod
@@ -210,7 +214,7 @@ class EngineProcessClient:
         os.close(cmd_r)
         os.close(out_w)
         commands, outputs = Connection(cmd_w, readable=False), Connection(out_r, writable=False)
-        commands.send_bytes(_encode(dataclasses.asdict(config)).encode())
+        commands.send_bytes(_dumps(dataclasses.asdict(config)))
         return process, commands, outputs
 
     def _wait_ready(self, timeout_s: float | None) -> dict:
@@ -222,7 +226,7 @@ class EngineProcessClient:
             if deadline is not None and time.monotonic() > deadline:
                 self.close()
                 raise EngineProcessError(f"the engine process was not ready within {timeout_s:.0f} s")
-        message = _decode(self._outputs.recv_bytes().decode())
+        message = _loads(self._outputs.recv_bytes())
         if message[0] == "failed":
             self._process.wait(10)
             error_type = ValueError if message[1] == "ValueError" else EngineProcessError
@@ -293,7 +297,7 @@ class EngineProcessClient:
             return
         self._closed = True
         try:
-            self._commands.send_bytes(_encode(["stop"]).encode())
+            self._commands.send_bytes(_dumps(["stop"]))
         except OSError:
             pass
         try:
@@ -307,7 +311,7 @@ class EngineProcessClient:
     # ---- internals ---------------------------------------------------------------------------
     def _send(self, message: list) -> None:
         try:
-            self._commands.send_bytes(_encode(message).encode())
+            self._commands.send_bytes(_dumps(message))
         except OSError as error:
             raise EngineProcessError(f"the engine process is gone ({error})") from None
 
@@ -317,7 +321,7 @@ class EngineProcessClient:
 
     def _read(self, deltas: list[RequestDelta]) -> None:
         try:
-            message = _decode(self._outputs.recv_bytes().decode())
+            message = _loads(self._outputs.recv_bytes())
         except (EOFError, OSError):
             self._process.poll()
             raise EngineProcessError(f"the engine process is gone (exit code {self._process.returncode})") from None

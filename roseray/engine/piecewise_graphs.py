@@ -97,11 +97,8 @@ class PiecewiseGraphs:
         self.num_replays = 0
 
     def bucket_for(self, num_tokens: int) -> int:
-        """The smallest captured bucket that holds `num_tokens` (0: none, run eagerly)."""
-        for bucket in self.buckets:
-            if bucket >= num_tokens:
-                return bucket if bucket in self.graphs else 0
-        return 0
+        """The smallest bucket that holds `num_tokens` (0: none, run eagerly)."""
+        return next((bucket for bucket in self.buckets if bucket >= num_tokens), 0)
 
     @torch.inference_mode()
     def capture(self) -> None:

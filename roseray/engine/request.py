@@ -144,9 +144,10 @@ class RequestLimits:
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens "
                              f"exceeds max_model_len ({self.max_model_len})")
-        if -(-total // self.block_size) > self.num_blocks:
+        capacity = self.num_blocks * self.block_size  # whole blocks: fits iff its blocks do
+        if total > capacity:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens can "
-                             f"never fit in the KV cache ({self.num_blocks * self.block_size} tokens)")
+                             f"never fit in the KV cache ({capacity} tokens)")
         return max_tokens
 
 

@@ -15,6 +15,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
 
+FinishReason = Literal["stop", "length", "abort", "error"]  # roseray.engine.request.FINISH_REASONS
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -42,7 +45,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    finish_reason: FinishReason | None
     stop_reason: int | str | None = None
 
 
@@ -64,7 +67,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    finish_reason: FinishReason | None
     stop_reason: int | str | None = None
 
 
@@ -81,7 +84,7 @@ class CompletionChunkChoice(BaseModel):
     index: int
     text: str
     logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    finish_reason: FinishReason | None
 
 
 class CompletionChunk(BaseModel):
@@ -104,7 +107,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    finish_reason: FinishReason | None
 
 
 class ChatCompletionChunk(BaseModel):
