@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import queue  # noqa: E402
+import random  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -41,9 +42,18 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port between Ray's worker ports (10002-19999) and the kernel's
+    ephemeral range (32768+): a port from the ephemeral range can be taken by any outgoing
+    connection (Ray opens many) before the server that was meant to bind it does."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def _run_ray_cluster(cfg: dict) -> None:

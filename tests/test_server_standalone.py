@@ -3,12 +3,13 @@ uvicorn, without Ray; it serves, logs no prompt text, and on SIGTERM drains and 
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
+
+from tests.conftest import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,12 +19,6 @@ from roseray.server.standalone import run_standalone
 run_standalone(EngineConfig(model="random:tiny", num_kv_blocks=64, max_model_len=512), port={port},
                api_key="sesame", served_model_name="tiny", drain_timeout_s=2, log_level="info")
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_standalone_serves_and_drains_on_sigterm():
