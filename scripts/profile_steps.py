@@ -29,13 +29,16 @@ def main() -> None:
     parser.add_argument("--workload", choices=["nano", "seed"], default="nano")
     parser.add_argument("--limit", type=int, default=None, help="requests to run")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the profiler then sees each kernel)")
     args = parser.parse_args()
     if args.workload == "nano":
         prompts, params = nano_workload()
-        config = EngineConfig(model=NANO_MODEL, max_num_batched_tokens=args.max_num_batched_tokens)
+        config = EngineConfig(model=NANO_MODEL, max_num_batched_tokens=args.max_num_batched_tokens,
+                              enforce_eager=args.enforce_eager)
     else:
         prompts, params = seed_workload()
-        config = EngineConfig(model=SEED_MODEL, max_num_seqs=128, enable_prefix_caching=False)
+        config = EngineConfig(model=SEED_MODEL, max_num_seqs=128, enable_prefix_caching=False,
+                              enforce_eager=args.enforce_eager)
     if args.limit:
         prompts, params = prompts[: args.limit], params[: args.limit]
     engine = LLMEngine(config)
@@ -95,7 +98,7 @@ def main() -> None:
     for kind, values in [(k, v) for k, v in kinds.items() if k != "ordered"]:
         print(f"  {kind} steps: {len(values)}, median {np.median(values) * 1e3:.3f} ms, total {sum(values):.2f} s")
     if len(kinds["decode"]) > 105:
-        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
 if __name__ == "__main__":

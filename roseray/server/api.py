@@ -21,9 +21,10 @@ from typing import Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from roseray.engine.async_engine import (AsyncLLMEngine, EngineUnavailableError, QueueFullError, RequestStream)
+from roseray.engine.request import RequestDelta
 from roseray.sampling_params import SamplingParams
 from roseray.server.auth import ApiKeyMiddleware
 from roseray.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
@@ -34,6 +35,7 @@ from roseray.server.openapi import (PROBE_RESPONSES, READ_RESPONSES, ChatComplet
                                     completion_responses, install_openapi)
 from roseray.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from roseray.server.responses import SSE_DONE, ResponseBuilder, TokenText, sse_event
+from roseray.server.sse_writer import EngineSSEResponse
 
 logger = logging.getLogger(__name__)
 
@@ -66,21 +68,6 @@ class ReplicaHeaderMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_header)
-
-
-class EngineStreamResponse(StreamingResponse):
-    """A StreamingResponse that always closes its RequestStream, even when the client
-    disconnects before the body iterator started (then no generator `finally` runs)."""
-
-    def __init__(self, content, stream: RequestStream, **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self.stream = stream
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.stream.close()
 
 
 class OpenAIServer:
@@ -212,37 +199,35 @@ class OpenAIServer:
         timer = self.metrics.request_timer(arrival)
         try:
             if body.stream:
-                return EngineStreamResponse(self._sse(stream, builder, timer), stream,
-                                            media_type="text/event-stream",
-                                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                render, render_error = self._sse_renderers(builder, timer)
+                return EngineSSEResponse(stream, render, render_error,
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return await self._whole(http_request, stream, builder, timer)
         except BaseException:
             stream.close()
             raise
 
-    async def _sse(self, stream: RequestStream, builder: ResponseBuilder, timer: RequestTimer):
-        last = None
-        try:
-            async for deltas in stream:
-                timer.on_tokens(sum(len(d.new_token_ids) for d in deltas), time.monotonic())
-                last = deltas[-1]
-                if last.finished and last.finish_reason == "error":
-                    yield builder.stream_chunks(deltas[:-1]) + sse_event(
-                        error_body(500, ENGINE_ERROR_MESSAGE, code="engine_error")) + SSE_DONE
-                    self._finished(timer, last)
-                    return
-                yield builder.stream_chunks(deltas)
-            if last is not None and last.finished:
-                self._finished(timer, last)
-            yield builder.stream_end(last)
-        except EngineUnavailableError as error:
-            yield sse_event(error_body(503, str(error), code="unavailable")) + SSE_DONE
-        except Exception as error:  # noqa: BLE001 - the headers are sent: end the stream with an error event
-            logger.exception("stream failed")
-            yield sse_event(error_body(500, f"internal server error ({type(error).__name__})",
-                                       code="internal_error")) + SSE_DONE
-        finally:
-            stream.close()
+    def _sse_renderers(self, builder: ResponseBuilder, timer: RequestTimer):
+        """The SSE bytes of each delta of a streamed request, and of a stream that failed
+        (for EngineSSEResponse, which writes them from the engine's hand-off)."""
+
+        def render(delta: RequestDelta) -> bytes:
+            timer.on_tokens(len(delta.new_token_ids), time.monotonic())
+            if not delta.finished:
+                return builder.stream_chunks((delta,))
+            self._finished(timer, delta)
+            if delta.finish_reason == "error":
+                return sse_event(error_body(500, ENGINE_ERROR_MESSAGE, code="engine_error")) + SSE_DONE
+            return builder.stream_chunks((delta,)) + builder.stream_end(delta)
+
+        def render_error(error: BaseException) -> bytes:
+            if isinstance(error, EngineUnavailableError):
+                return sse_event(error_body(503, str(error), code="unavailable")) + SSE_DONE
+            logger.error("stream failed", exc_info=error)
+            return sse_event(error_body(500, f"internal server error ({type(error).__name__})",
+                                        code="internal_error")) + SSE_DONE
+
+        return render, render_error
 
     async def _whole(self, http_request: Request, stream: RequestStream, builder: ResponseBuilder,
                      timer: RequestTimer) -> Response:

@@ -11,7 +11,7 @@ import json
 import time
 from functools import lru_cache
 from json.encoder import encode_basestring  # the C string encoder json.dumps uses (ensure_ascii=False)
-from typing import Callable
+from typing import Callable, Sequence
 
 from roseray.engine.request import RequestDelta
 
@@ -106,7 +106,7 @@ class ResponseBuilder:
             body["usage"] = usage_body
         return body
 
-    def stream_chunks(self, deltas: list[RequestDelta]) -> bytes:
+    def stream_chunks(self, deltas: Sequence[RequestDelta]) -> bytes:
         """SSE events for the deltas of one read (usually one engine step)."""
         events = []
         if self.kind == "chat" and not self.sent_role:

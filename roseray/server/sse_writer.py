@@ -1,0 +1,183 @@
+"""Streamed responses written from the engine's per-step hand-off.
+
+AsyncLLMEngine hands each engine step's deltas to the event loop in one callback. A
+streamed request answered by `EngineSSEResponse` has an `SSEWriter` attached to its
+RequestStream, so its SSE bytes are built and written inside that callback: no task wakes
+up per request per step, and the cost per streamed token is the bytes and one `send`.
+
+An ASGI `send` is a coroutine, but with uvicorn (also under Ray Serve's direct ingress) a
+body `send` finishes without suspending whenever the socket is writable. `send_now` runs
+it to completion on the spot and hands it to a task only when it does suspend (a client
+that reads slower than tokens come); until that task is done the writer collects the next
+steps' bytes and sends them together, so a slow client gets fewer, larger writes and
+never holds up the other streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from roseray.engine.request import RequestDelta
+from roseray.engine.request_stream import RequestStream
+
+RenderDelta = Callable[[RequestDelta], bytes]  # one delta -> its SSE bytes (a finished delta's close the stream)
+RenderError = Callable[[BaseException], bytes]  # the stream failed -> the closing SSE bytes
+
+
+def send_now(send: Callable[[dict], Awaitable[None]], message: dict) -> asyncio.Future | None:
+    """Run `send(message)` now. None when it finished without suspending; otherwise a task
+    that finishes it. Raises what `send` raised before suspending."""
+    coro = send(message)
+    try:
+        awaited = coro.send(None)
+    except StopIteration:
+        return None
+    return asyncio.ensure_future(_resume(coro, awaited))
+
+
+async def _resume(coro, awaited) -> None:
+    """Drive to its end a coroutine that suspended on `awaited` (the future it yielded, or
+    None for a bare yield): wait for that, then step it again, as a task would."""
+    try:
+        while True:
+            if awaited is None:
+                await asyncio.sleep(0)
+            else:
+                await asyncio.wait((awaited,))  # its result or error is read by the coroutine itself
+            awaited = coro.send(None)
+    except StopIteration:
+        return
+    except asyncio.CancelledError:
+        coro.close()
+        raise
+
+
+class SSEWriter:
+    """Writes one request's stream as its deltas arrive; `done` resolves after the last
+    write, or when writing failed (the client is gone: the request is then aborted)."""
+
+    __slots__ = ("_send", "_render", "_render_error", "_stream", "done", "_pending", "_in_flight", "_ending")
+
+    def __init__(self, send: Send, render: RenderDelta, render_error: RenderError, stream: RequestStream,
+                 done: asyncio.Future) -> None:
+        self._send = send
+        self._render = render
+        self._render_error = render_error
+        self._stream = stream
+        self.done = done
+        self._pending: list[bytes] = []  # bytes that came while a send was suspended
+        self._in_flight: asyncio.Future | None = None
+        self._ending = False  # the last bytes are written or pending
+
+    # called by the RequestStream (from the engine's hand-off)
+    def on_delta(self, delta: RequestDelta) -> None:
+        if self._ending:
+            return
+        try:
+            body = self._render(delta)
+        except Exception as error:  # noqa: BLE001 - end the stream with an error event, never kill the hand-off
+            self.on_error(error)
+            return
+        self._write(body, delta.finished)
+
+    def on_error(self, error: BaseException) -> None:
+        if not self._ending:
+            self._write(self._render_error(error), True)
+
+    # ---- writing ---------------------------------------------------------------------------------
+    def _write(self, body: bytes, last: bool) -> None:
+        self._ending = last
+        if self._in_flight is not None:
+            self._pending.append(body)
+            return
+        if not body and not last:
+            return
+        self._send_body(body)
+
+    def _send_body(self, body: bytes) -> None:
+        try:
+            in_flight = send_now(self._send, {"type": "http.response.body", "body": body, "more_body": not self._ending})
+        except Exception as error:  # noqa: BLE001 - the connection is gone
+            self._failed(error)
+            return
+        if in_flight is None:
+            if self._ending:
+                self._finish()
+            return
+        self._in_flight = in_flight
+        in_flight.add_done_callback(self._sent)
+
+    def _sent(self, in_flight: asyncio.Future) -> None:
+        self._in_flight = None
+        if in_flight.cancelled() or in_flight.exception() is not None:
+            self._failed(in_flight.exception() if not in_flight.cancelled() else None)
+            return
+        if self._pending:
+            body, self._pending = b"".join(self._pending), []
+            self._send_body(body)
+        elif self._ending:
+            self._finish()
+
+    def abandon(self) -> None:
+        """The client is gone: write nothing more and abort the request."""
+        self._failed(None)
+
+    def _failed(self, error: BaseException | None) -> None:
+        self._ending = True
+        self._pending = []
+        self._stream.close()  # aborts the request if it still runs
+        if not self.done.done():
+            self.done.set_result(error)
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    async def wait_sent(self) -> None:
+        """Until a suspended send has finished (the response must not return before it)."""
+        while self._in_flight is not None:
+            await asyncio.wait((self._in_flight,))
+
+
+class EngineSSEResponse(Response):
+    """`text/event-stream` response of one engine request, written by an SSEWriter from the
+    engine's hand-off. Ends when the stream ends or the client disconnects (which aborts
+    the request and frees its KV blocks); always closes the stream."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, stream: RequestStream, render: RenderDelta, render_error: RenderError,
+                 headers: dict[str, str] | None = None) -> None:
+        # Not Response.__init__: that would declare a content-length for the empty body.
+        self.status_code = 200
+        self.background = None
+        self.stream = stream
+        self.render = render
+        self.render_error = render_error
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        loop = asyncio.get_running_loop()
+        writer = SSEWriter(send, self.render, self.render_error, self.stream, loop.create_future())
+        disconnect = None
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            self.stream.attach(writer.on_delta, writer.on_error)
+            disconnect = asyncio.ensure_future(_until_disconnect(receive))
+            await asyncio.wait((writer.done, disconnect), return_when=asyncio.FIRST_COMPLETED)
+            if not writer.done.done():  # the client went away first
+                writer.abandon()
+            await writer.wait_sent()
+        finally:
+            if disconnect is not None:
+                disconnect.cancel()
+            self.stream.close()
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,205 @@
+"""SSE streams written from the engine's hand-off (roseray.server.sse_writer): sends that
+finish on the spot, sends that suspend (a slow client), failing sends, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from roseray.engine.request import RequestDelta
+from roseray.engine.request_stream import RequestStream
+from roseray.server.sse_writer import EngineSSEResponse, SSEWriter, send_now
+
+
+class Owner:
+    """Stands in for AsyncLLMEngine: records aborts."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def _abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def delta(text: str, finished: bool = False) -> RequestDelta:
+    return RequestDelta("r", [1], text, finished, "length" if finished else None, None, 1, 1, None)
+
+
+def render(d: RequestDelta) -> bytes:
+    return d.new_text.encode() + (b"|end" if d.finished else b"")
+
+
+def render_error(error: BaseException) -> bytes:
+    return f"error:{error}".encode()
+
+
+class Transport:
+    """An ASGI send that completes at once unless `gate` is set (then it waits for it)."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict] = []
+        self.gate: asyncio.Event | None = None
+        self.error: BaseException | None = None
+
+    async def send(self, message: dict) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.error is not None:
+            raise self.error
+        self.messages.append(message)
+
+    def bodies(self) -> list[bytes]:
+        return [m["body"] for m in self.messages if m["type"] == "http.response.body"]
+
+
+def test_send_now_finishes_a_send_that_does_not_suspend_without_a_task():
+    async def main():
+        transport = Transport()
+        assert send_now(transport.send, {"type": "http.response.body", "body": b"x"}) is None
+        assert transport.bodies() == [b"x"]
+
+    asyncio.run(main())
+
+
+def test_send_now_hands_a_suspended_send_to_a_task_that_finishes_it():
+    async def main():
+        transport = Transport()
+        transport.gate = asyncio.Event()
+        task = send_now(transport.send, {"type": "http.response.body", "body": b"x"})
+        assert task is not None and not transport.messages
+        transport.gate.set()
+        await task
+        assert transport.bodies() == [b"x"]
+
+    asyncio.run(main())
+
+
+def test_send_now_raises_and_a_resumed_send_fails_with_the_senders_error():
+    async def main():
+        transport = Transport()
+        transport.error = ConnectionResetError("gone")
+        with pytest.raises(ConnectionResetError):
+            send_now(transport.send, {"type": "http.response.body", "body": b"x"})
+        transport.gate = asyncio.Event()
+        task = send_now(transport.send, {"type": "http.response.body", "body": b"x"})
+        transport.gate.set()
+        with pytest.raises(ConnectionResetError):
+            await task
+
+    asyncio.run(main())
+
+
+def _writer(transport: Transport):
+    loop = asyncio.get_running_loop()
+    owner = Owner()
+    stream = RequestStream("r", owner, loop)
+    writer = SSEWriter(transport.send, render, render_error, stream, loop.create_future())
+    stream.attach(writer.on_delta, writer.on_error)
+    return owner, stream, writer
+
+
+def test_each_delta_is_one_write_made_inside_the_push():
+    async def main():
+        transport = Transport()
+        owner, stream, writer = _writer(transport)
+        stream._push(delta("a"))
+        assert transport.bodies() == [b"a"]  # written before the push returned
+        stream._push(delta("b", finished=True))
+        assert transport.messages[-1] == {"type": "http.response.body", "body": b"b|end", "more_body": False}
+        assert writer.done.done() and writer.done.result() is None
+        stream.close()
+        assert owner.aborted == []  # finished: nothing to abort
+
+    asyncio.run(main())
+
+
+def test_a_slow_client_gets_the_steps_that_came_meanwhile_in_one_write():
+    async def main():
+        transport = Transport()
+        owner, stream, writer = _writer(transport)
+        transport.gate = asyncio.Event()
+        stream._push(delta("a"))  # suspends
+        stream._push(delta("b"))
+        stream._push(delta("c", finished=True))
+        assert transport.messages == [] and not writer.done.done()
+        transport.gate.set()
+        await asyncio.wait_for(writer.done, 5)
+        assert transport.bodies() == [b"a", b"bc|end"]
+        assert transport.messages[-1]["more_body"] is False
+        assert owner.aborted == []
+
+    asyncio.run(main())
+
+
+def test_a_failing_send_aborts_the_request_and_ends_the_writer():
+    async def main():
+        transport = Transport()
+        owner, stream, writer = _writer(transport)
+        transport.error = ConnectionResetError("gone")
+        stream._push(delta("a"))
+        assert owner.aborted == ["r"] and writer.done.done()
+        stream._push(delta("b"))  # a step already on its way: dropped, not written
+        assert transport.messages == []
+
+    asyncio.run(main())
+
+
+def test_deltas_and_errors_from_before_attach_are_delivered_on_attach():
+    async def main():
+        transport = Transport()
+        loop = asyncio.get_running_loop()
+        stream = RequestStream("r", Owner(), loop)
+        stream._push(delta("a"))
+        stream._fail(RuntimeError("engine died"))
+        writer = SSEWriter(transport.send, render, render_error, stream, loop.create_future())
+        stream.attach(writer.on_delta, writer.on_error)
+        assert transport.bodies() == [b"a", b"error:engine died"]
+        assert writer.done.done()
+
+    asyncio.run(main())
+
+
+def test_a_render_error_ends_the_stream_with_the_error_bytes():
+    async def main():
+        transport = Transport()
+        loop = asyncio.get_running_loop()
+        stream = RequestStream("r", Owner(), loop)
+
+        def broken(d):
+            raise ValueError("bad delta")
+
+        writer = SSEWriter(transport.send, broken, render_error, stream, loop.create_future())
+        stream.attach(writer.on_delta, writer.on_error)
+        stream._push(delta("a"))
+        assert transport.messages[-1] == {"type": "http.response.body", "body": b"error:bad delta", "more_body": False}
+
+    asyncio.run(main())
+
+
+def test_the_response_sends_headers_then_the_stream_and_aborts_on_disconnect():
+    async def main():
+        transport = Transport()
+        loop = asyncio.get_running_loop()
+        owner = Owner()
+        stream = RequestStream("r", owner, loop)
+        disconnected = asyncio.Event()
+
+        async def receive():
+            await disconnected.wait()
+            return {"type": "http.disconnect"}
+
+        response = EngineSSEResponse(stream, render, render_error, headers={"Cache-Control": "no-cache"})
+        call = asyncio.ensure_future(response({"type": "http"}, receive, transport.send))
+        await asyncio.sleep(0)
+        stream._push(delta("a"))
+        start = transport.messages[0]
+        assert start["type"] == "http.response.start" and start["status"] == 200
+        headers = dict(start["headers"])
+        assert headers[b"content-type"].startswith(b"text/event-stream") and b"content-length" not in headers
+        assert transport.bodies() == [b"a"]
+        disconnected.set()
+        await asyncio.wait_for(call, 5)
+        assert owner.aborted == ["r"]
+
+    asyncio.run(main())
