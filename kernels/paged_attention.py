@@ -10,7 +10,10 @@ Two launch shapes, both CUDA-graph capturable (grids from shapes and python ints
 lengths read from device memory; no host syncs):
 - decode (`max_query_len == 1`): one program per (sequence, KV head, KV split). With more
   than one split (flash-decoding, for few sequences with long contexts) the partial
-  results go to a workspace and a second small kernel combines them.
+  results go to a workspace and a second small kernel combines them. GQA groups use tl.dot
+  on tiles of >= 16 rows (the group's heads packed); MHA (GPT-2) would fill one of those 16
+  rows and pay the tile's shared memory for nothing, so a group of one takes a dot-free form:
+  q.k and p.v summed in the registers of the K/V tiles.
 - general (prefill and mixed batches): one program per (query tile, KV head); a tile is
   BLOCK_Q tokens of one sequence, found by binary search over query_start_loc.
 
@@ -36,6 +39,7 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     block_m: int = 16  # query rows per tile (general kernel: tokens x packed heads)
+    use_dot: bool = True  # decode: tl.dot on >= 16-row tiles; False = dot-free rows in registers
 
 
 # From the H100 sweeps of `python -m roseray.bench kernels --sweep` (2026-11-21, triton 3.6):
@@ -43,6 +47,9 @@ class KernelConfig:
 # with 2-4 warps land within 1%, 8 warps or 32 keys x 4 warps x 3+ stages are 5-15% slower.
 # Prefill tiles of 64 rows x 64 keys are within 3% of the best shape tried.
 DECODE_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
+# MHA decode (group of one; GPT-2: 12 heads of 64, batch 128, contexts <= 129) without tl.dot:
+# not yet swept on a GPU; `--sweep decode_mha` times tile shapes at that geometry.
+DECODE_MHA_CONFIG = KernelConfig(block_n=32, num_warps=2, num_stages=1, use_dot=False)
 PREFILL_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=2, block_m=64)
 # Split-KV: batch 1 x 32768 keys 823 us unsplit -> 67 us at 32-128 splits (flat beyond 32);
 # batch 64 x 1024 gets slower with splits (106 -> 112 us), so only small grids are split.
@@ -91,6 +98,42 @@ def _attend(
 
 
 @triton.jit
+def _attend_row(
+    q,  # [1, D] the query row of a group of one (MHA), fp32
+    k_head_ptr, v_head_ptr, table_ptr, kv_lo, kv_hi, qk_scale, stride_kb, stride_ks,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """_attend for one query row without tl.dot: q.k and p.v are products summed in the
+    registers of the [N, D] K/V tiles (no 16-row tile, no shared-memory staging). Each step
+    loads K and V together and the next step's block-table entries ahead, so a step waits
+    for one memory round trip. Returns acc [1, D], m_i [1], l_i [1] like _attend."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    m_i = tl.full([], NEG_BIG, tl.float32)  # running max and sum: fp32 scalars
+    l_i = tl.zeros([], tl.float32)
+    offs_n = kv_lo + tl.arange(0, BLOCK_N)  # [N] key positions of the first step
+    page = tl.load(table_ptr + offs_n // PAGE, mask=offs_n < kv_hi, other=0)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        valid_n = offs_n < kv_hi
+        kv_ptrs = (page.to(tl.int64) * stride_kb + (offs_n % PAGE) * stride_ks)[:, None] + offs_d[None, :]  # [N, D]
+        k = tl.load(k_head_ptr + kv_ptrs, mask=valid_n[:, None], other=0.0)
+        v = tl.load(v_head_ptr + kv_ptrs, mask=valid_n[:, None], other=0.0)
+        next_n = offs_n + BLOCK_N
+        page = tl.load(table_ptr + next_n // PAGE, mask=next_n < kv_hi, other=0)
+        qk = tl.sum(q * k.to(tl.float32), 1) * qk_scale  # [N]
+        qk = tl.where(valid_n, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new)  # [N]
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)  # [D]
+        m_i = m_new
+    one = tl.zeros([1], tl.float32)
+    return acc[None, :], one + m_i, one + l_i
+
+
+@triton.jit
 def _zero_rows(out_ptr, rows, num_tokens, head0, stride_ot, stride_oh,
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Store zeros to out[rows, head0 : head0 + GROUP] for rows < num_tokens (rows [M] as packed in a tile)."""
@@ -115,6 +158,7 @@ def _decode_kernel(
     stride_kb, stride_ks, stride_kh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr,  # False: _attend_row (GROUP == 1, BLOCK_M == 1)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,11 +187,15 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_kh,
-        tables_ptr + pid.to(tl.int64) * stride_table, kv_lo, kv_hi, r, qk_scale, stride_kb, stride_ks,
-        PAGE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION,
-    )
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_kh
+    table_ptr = tables_ptr + pid.to(tl.int64) * stride_table
+    if USE_DOT:
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_ptr, kv_lo, kv_hi, r, qk_scale,
+                                stride_kb, stride_ks, PAGE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION)
+    else:
+        acc, m_i, l_i = _attend_row(q.to(tl.float32), k_head_ptr, v_head_ptr, table_ptr, kv_lo, kv_hi, qk_scale,
+                                    stride_kb, stride_ks, PAGE, BLOCK_N, HEAD_DIM)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_rows = q_row.to(tl.int64) * stride_ot + (kv_head * GROUP + r) * stride_oh
@@ -320,8 +368,9 @@ def paged_attention(
     if max_query_len <= 1:
         if num_splits is None:
             num_splits = choose_num_splits(seq_lens.shape[0], k_cache.shape[2], max_seq_len, query.device)
+        cfg = DECODE_MHA_CONFIG if _group(query, k_cache)[0] == 1 else DECODE_CONFIG
         _launch_decode(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
-                       num_splits, DECODE_CONFIG)
+                       num_splits, cfg)
     else:
         _launch_general(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
                         PREFILL_CONFIG)
@@ -346,6 +395,7 @@ def _launch_decode(query, k_cache, v_cache, out, qsl, seq_lens, tables, scale, n
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     group, group_pad = _group(query, k_cache)
+    assert cfg.use_dot or group == 1, "the dot-free decode takes one query head per KV head"
     if num_splits > 1:
         assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
         part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
@@ -357,8 +407,9 @@ def _launch_decode(query, k_cache, v_cache, out, qsl, seq_lens, tables, scale, n
     _decode_kernel[grid](
         query, k_cache, v_cache, out, qsl, seq_lens, tables, part_acc, part_ml,
         scale_l2, num_seqs, num_tokens, sqt, sqh, sot, soh, stab, skb, sks, skh,
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=max(16, group_pad), HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
-        BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(query.dtype),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=max(16, group_pad) if cfg.use_dot else 1,
+        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(query.dtype), USE_DOT=cfg.use_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1 and num_seqs > 0:

@@ -30,9 +30,14 @@ triton = pytest.importorskip("triton", reason="Triton is not installed")
 INTERPRETER_READY = type(triton.language.sum).__name__ == "InterpretedFunction"
 NEEDS_FRESH_PROCESS = not ON_CUDA and not INTERPRETER_READY
 
+import importlib  # noqa: E402
+
 from roseray_kernels.kv_append import kv_append, kv_append_index_put_baseline, kv_append_reference  # noqa: E402
-from roseray_kernels.paged_attention import paged_attention  # noqa: E402
+from roseray_kernels.paged_attention import KernelConfig, paged_attention  # noqa: E402
 from roseray.layers.attention import AttentionMetadata, TorchAttentionBackend, paged_attention_reference  # noqa: E402
+
+# The module (the package exports its function under the same name): configs are patched on it.
+paged_attention_module = importlib.import_module("roseray_kernels.paged_attention")
 
 
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
@@ -179,12 +184,47 @@ def test_kv_append_ignores_slots_past_num_tokens_and_baseline_agrees():
 # Paged attention
 # ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_decode_across_block_boundaries(group, dtype):
-    lens = [1, 15, 16, 17, 32, 33 * SCALE_UP, 50 * SCALE_UP]
-    step = Step(decode_seqs(lens), num_kv_heads=2, group=group, head_dim=64, dtype=dtype, seed=group)
+def test_decode_across_block_boundaries(group, head_dim, dtype):
+    """The default configs: group 1 dot-free (DECODE_MHA_CONFIG), GQA groups on tl.dot."""
+    lens = [1, 15, 16, 17, 32, 33 * SCALE_UP, 50 * SCALE_UP, 65, 129]
+    step = Step(decode_seqs(lens), num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=group)
     step.append()
     step.check(step.attend())
+
+
+@pytest.fixture
+def mha_decode_block_n(monkeypatch):
+    """Sets the dot-free MHA decode's tile of keys (16 makes a few loop steps of short contexts)."""
+    def set_block_n(block_n: int) -> None:
+        monkeypatch.setattr(paged_attention_module, "DECODE_MHA_CONFIG",
+                            KernelConfig(block_n, num_warps=2, num_stages=1, use_dot=False))
+
+    return set_block_n
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_mha_decode_across_block_boundaries(block_n, head_dim, dtype, mha_decode_block_n):
+    """Group of one (GPT-2): the dot-free kernel, over several tiles and block boundaries."""
+    mha_decode_block_n(block_n)
+    lens = [1, 15, 16, 17, 32, 33, 64, 65, 129, 50 * SCALE_UP]
+    step = Step(decode_seqs(lens), num_kv_heads=3, group=1, head_dim=head_dim, dtype=dtype, seed=block_n,
+                pad_tokens=2)
+    step.append()
+    step.check(step.attend())
+
+
+@pytest.mark.parametrize("num_splits", [2, 64])
+def test_mha_decode_split_kv_with_graph_padding(num_splits, mha_decode_block_n):
+    mha_decode_block_n(16)
+    seqs = decode_seqs([40 * SCALE_UP, 3, 16, 70 * SCALE_UP]) + [(0, 0)]
+    step = Step(seqs, num_kv_heads=3, group=1, head_dim=64, dtype=torch.float32, pad_tokens=2, seed=num_splits)
+    step.meta.seq_lens[-1] = 0
+    step.append()
+    step.check(step.attend(num_splits=num_splits))
 
 
 @pytest.mark.parametrize("num_splits", [2, 4, 64])

@@ -27,6 +27,7 @@ from roseray_kernels import kv_append, kv_append_index_put_baseline, paged_atten
 from roseray_kernels.kv_append import TOKENS_PER_PROGRAM, launch_kv_append
 from roseray_kernels.paged_attention import (
     DECODE_CONFIG,
+    DECODE_MHA_CONFIG,
     PREFILL_CONFIG,
     KernelConfig,
     _launch_decode,
@@ -36,6 +37,10 @@ from roseray_kernels.paged_attention import (
 
 H100_COPY_BW = 3.02e12  # bytes/s, read + written (BENCHMARKS.md)
 QWEN3 = dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=16)  # Qwen3-0.6B attention
+GPT2 = dict(num_heads=12, num_kv_heads=12, head_dim=64, block_size=16)  # GPT-2 (MHA: the dot-free decode)
+GPT2_BATCH = 128  # the W-seed benchmark: 128 sequences decoding, contexts 1..129
+GPT2_CACHE_BLOCKS = 16384  # 400 MB each for K and V in bf16: rotating input sets miss the 50 MB L2
+GPT2_INPUT_SETS = 4
 GRAPH_REPEATS = 50  # launches per captured graph when timing device time without launch gaps
 CACHE_BLOCKS = 3 * 16384  # per layer-cache tensor: 1.5 GiB each for K and V in bf16
 KV_APPEND_TOKENS = (64, 256, 8192, 32768)
@@ -100,8 +105,8 @@ def bandwidth(nbytes: float, us: float, copy_bw: float) -> dict:
 # ---------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------
-def make_cache(num_blocks: int, dtype, device):
-    shape = (num_blocks, QWEN3["block_size"], QWEN3["num_kv_heads"], QWEN3["head_dim"])
+def make_cache(num_blocks: int, dtype, device, geometry=QWEN3):
+    shape = (num_blocks, geometry["block_size"], geometry["num_kv_heads"], geometry["head_dim"])
     return torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)
 
 
@@ -116,9 +121,10 @@ class DecodeBatch:
     flops: float
 
 
-def make_batch(k_cache, seqs, dtype, device) -> DecodeBatch:
-    """seqs: (cached prefix, query_len) per sequence; blocks are a random permutation."""
-    bs, hkv, d = QWEN3["block_size"], QWEN3["num_kv_heads"], QWEN3["head_dim"]
+def make_batch(k_cache, seqs, dtype, device, num_heads: int = QWEN3["num_heads"]) -> DecodeBatch:
+    """seqs: (cached prefix, query_len) per sequence; blocks are a random permutation.
+    The geometry (block size, KV heads, head_dim) is the cache's."""
+    _, bs, hkv, d = k_cache.shape
     lens = [c + q for c, q in seqs]
     need = [triton.cdiv(n, bs) for n in lens]
     assert sum(need) <= k_cache.shape[0], "cache too small"
@@ -130,11 +136,11 @@ def make_batch(k_cache, seqs, dtype, device) -> DecodeBatch:
         start += n
     qlens = [q for _, q in seqs]
     qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=device)
-    query = torch.randn(sum(qlens), QWEN3["num_heads"], d, dtype=dtype, device=device)
+    query = torch.randn(sum(qlens), num_heads, d, dtype=dtype, device=device)
     kv_bytes = sum(lens) * hkv * d * k_cache.element_size() * 2
     # QK^T and PV over the keys each query sees (causal within the chunk).
     visible = sum(q * c + q * (q + 1) // 2 for c, q in seqs)
-    flops = 4.0 * visible * QWEN3["num_heads"] * d
+    flops = 4.0 * visible * num_heads * d
     return DecodeBatch(query, qsl, torch.tensor(lens, dtype=torch.int32, device=device), tables, max(qlens),
                        kv_bytes, flops)
 
@@ -206,6 +212,40 @@ def bench_decode(k_cache, v_cache, copy_bw, dtype, device) -> list[Row]:
     return rows
 
 
+def gpt2_decode_cases(dtype, device) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[DecodeBatch]]]:
+    """GPT-2 decode at the W-seed geometry (batch 128, 12 heads of 64, block 16): a cache of its
+    own and, per context case, GPT2_INPUT_SETS batches over different blocks (rotated: no L2 reuse)."""
+    k_cache, v_cache = make_cache(GPT2_CACHE_BLOCKS, dtype, device, GPT2)
+    contexts = {"ctx 64": [64] * GPT2_BATCH, "ctx 128": [128] * GPT2_BATCH,
+                "ctx 1..128": [1 + i % 128 for i in range(GPT2_BATCH)]}  # the W-seed spread
+    cases = {name: [make_batch(k_cache, [(n - 1, 1) for n in lens], dtype, device, GPT2["num_heads"])
+                    for _ in range(GPT2_INPUT_SETS)]
+             for name, lens in contexts.items()}
+    return k_cache, v_cache, cases
+
+
+def gpt2_decode_fn(batches: list[DecodeBatch], k_cache, v_cache, cfg: KernelConfig | None):
+    """Decode over the rotating batches with `cfg` (None: paged_attention's own choice)."""
+    scale = GPT2["head_dim"] ** -0.5
+    outs = [torch.empty_like(b.query) for b in batches]
+    if cfg is None:
+        return rotating([lambda b=b, o=o: paged_attention(b.query, k_cache, v_cache, b.qsl, b.seq_lens, b.tables,
+                                                          scale, 1, 1024, out=o) for b, o in zip(batches, outs)])
+    return rotating([lambda b=b, o=o: _launch_decode(b.query, k_cache, v_cache, o, b.qsl, b.seq_lens, b.tables,
+                                                     scale, 1, cfg) for b, o in zip(batches, outs)])
+
+
+def bench_decode_gpt2(gpt2, copy_bw) -> list[Row]:
+    """Device time in a CUDA graph (a few us a call: launch gaps would dominate median_us)."""
+    k_cache, v_cache, cases = gpt2
+    rows = []
+    for name, batches in cases.items():
+        us = graph_us(gpt2_decode_fn(batches, k_cache, v_cache, None))
+        rows.append(Row(f"decode attention GPT-2 batch {GPT2_BATCH} x {name} (graph)", us,
+                        bandwidth(batches[0].kv_bytes, us, copy_bw)))
+    return rows
+
+
 def bench_prefill(k_cache, v_cache, copy_bw, dtype, device) -> list[Row]:
     rows = []
     for name, seqs in PREFILL_CASES.items():
@@ -218,16 +258,20 @@ def bench_prefill(k_cache, v_cache, copy_bw, dtype, device) -> list[Row]:
 # ---------------------------------------------------------------------------------------
 # Sweeps (tile shapes; the defaults in roseray_kernels come from these)
 # ---------------------------------------------------------------------------------------
-SWEEP_PARTS = ("decode", "splits", "prefill", "kv_append")
+SWEEP_PARTS = ("decode", "decode_mha", "splits", "prefill", "kv_append")
 SPLIT_CASES = ((1, 32768), (4, 16384), (16, 8192), (64, 1024))
 
 
-def sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline: float, parts=SWEEP_PARTS) -> list[Row]:
+def sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline: float, parts=SWEEP_PARTS,
+          gpt2=None) -> list[Row]:
     rows = []
     args = (k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline)
     for part in parts:
-        rows += {"decode": sweep_decode_tiles, "splits": sweep_splits, "prefill": sweep_prefill_tiles,
-                 "kv_append": sweep_kv_append}[part](*args)
+        if part == "decode_mha":
+            rows += sweep_decode_mha(gpt2, copy_bw, deadline)
+        else:
+            rows += {"decode": sweep_decode_tiles, "splits": sweep_splits, "prefill": sweep_prefill_tiles,
+                     "kv_append": sweep_kv_append}[part](*args)
         if time.time() > deadline:
             return rows + [Row("sweep stopped at its deadline", 0.0)]
     return rows
@@ -248,6 +292,28 @@ def sweep_decode_tiles(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadl
                                                     decode.seq_lens, decode.tables, scale, 1, cfg)
                 rows.append(_try(f"sweep decode 256x1024 n{block_n} w{num_warps} s{num_stages}", fn,
                                  lambda us: bandwidth(decode.kv_bytes, us, copy_bw)))
+    return rows
+
+
+# GPT-2 decode tiles: (block_n, num_warps, num_stages, use_dot). tl.dot tiles of 16 rows (one used)
+# against the dot-free kernel (num_stages does not change its code: it is not pipelined).
+MHA_DECODE_SHAPES = ([(64, 4, 3, True), (32, 4, 2, True), (32, 2, 1, True), (64, 2, 2, True)]
+                     + [(n, w, 1, False) for n in (16, 32, 64, 128) for w in (1, 2, 4, 8)])
+
+
+def sweep_decode_mha(gpt2, copy_bw, deadline) -> list[Row]:
+    """DECODE_MHA_CONFIG: each shape at the GPT-2 W-seed geometry, device time in a CUDA graph."""
+    k_cache, v_cache, cases = gpt2
+    rows = []
+    for block_n, num_warps, num_stages, use_dot in MHA_DECODE_SHAPES:
+        cfg = KernelConfig(block_n, num_warps, num_stages, use_dot=use_dot)
+        for name, batches in cases.items():
+            if time.time() > deadline:
+                return rows + [Row("sweep stopped at its deadline", 0.0)]
+            tag = "dot" if use_dot else "dot-free"
+            rows.append(_try(f"sweep decode GPT-2 {GPT2_BATCH} x {name} {tag} n{block_n} w{num_warps} s{num_stages}",
+                             gpt2_decode_fn(batches, k_cache, v_cache, cfg),
+                             lambda us, b=batches[0]: bandwidth(b.kv_bytes, us, copy_bw), graph=True))
     return rows
 
 
@@ -331,19 +397,23 @@ def main(argv: list[str] | None = None) -> int:
     k_cache, v_cache = make_cache(CACHE_BLOCKS, dtype, device)
     rows += bench_kv_append(k_cache, v_cache, copy_bw, empty_us, dtype, device)
     rows += bench_decode(k_cache, v_cache, copy_bw, dtype, device)
+    gpt2 = gpt2_decode_cases(dtype, device)
+    rows += bench_decode_gpt2(gpt2, copy_bw)
     rows += bench_prefill(k_cache, v_cache, copy_bw, dtype, device)
     if args.sweep:
         parts = [p for p in args.sweep.split(",") if p]
         unknown = set(parts) - set(SWEEP_PARTS)
         if unknown:
             parser.error(f"unknown sweep parts {sorted(unknown)}; choose from {SWEEP_PARTS}")
-        sweep_rows = sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, time.time() + args.sweep_seconds, parts)
+        sweep_rows = sweep(k_cache, v_cache, copy_bw, empty_us, dtype, device, time.time() + args.sweep_seconds, parts,
+                           gpt2)
         print("\n".join(r.text() for r in sweep_rows))
         rows += sweep_rows
 
     print(f"\nroseray kernels on {torch.cuda.get_device_name(0)}, {time.strftime('%Y-%m-%d %H:%M')}, "
           f"torch {torch.__version__}, triton {triton.__version__}, {args.dtype}")
-    print(f"defaults: decode {DECODE_CONFIG}, prefill {PREFILL_CONFIG}, kv_append {TOKENS_PER_PROGRAM} token(s)/program")
+    print(f"defaults: decode {DECODE_CONFIG}, MHA decode {DECODE_MHA_CONFIG}, prefill {PREFILL_CONFIG}, "
+          f"kv_append {TOKENS_PER_PROGRAM} token(s)/program")
     print("\n".join(r.text() for r in rows if not r.name.startswith("sweep")))
     if args.out:
         payload = {"benchmark": "kernels", "device": torch.cuda.get_device_name(0), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
