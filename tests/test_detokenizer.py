@@ -205,3 +205,18 @@ def test_byte_detokenizer_holds_an_incomplete_character_and_special_tokens_follo
 
 def test_other_tokenizers_get_the_window_detokenizer():
     assert isinstance(make_detokenizer(ByteTokenizer(), [1, 2]), IncrementalDetokenizer)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, PRESET_VOCAB - 1), max_size=60), st.booleans())
+def test_step_token_equals_step_of_one_token(output_ids, skip_special):
+    """The engine's per-token fast path (`step_token`) releases exactly what `step([id])` does,
+    for both detokenizers, including characters split across tokens and special tokens."""
+    tokenizer = PresetByteTokenizer(PRESET_VOCAB)
+    for make in (lambda: make_detokenizer(tokenizer, [1, 2], skip_special),
+                 lambda: IncrementalDetokenizer(tokenizer, [1, 2], skip_special)):
+        fast, slow = make(), make()
+        assert [fast.step_token(t) for t in output_ids] == [slow.step([t]) for t in output_ids]
+        assert fast.flush() == slow.flush() and fast.output_text == slow.output_text
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        make_detokenizer(tokenizer, []).step_token(PRESET_VOCAB)

@@ -14,7 +14,7 @@ import pytest
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState
 from roseray.engine.engine import EngineStats
-from roseray.engine.engine_process import EngineProcessError, _apply, _loads, encode_step
+from roseray.engine.engine_process import EngineProcessClient, EngineProcessError, _apply, _loads, encode_step
 from roseray.engine.request import RequestSummary
 from roseray.sampling_params import SamplingParams
 from tests.test_server_api import serving, sse_events, wait_until_idle
@@ -220,9 +220,39 @@ def test_a_request_the_engine_process_cannot_take_finishes_with_an_error():
             return EngineStats(0, 0, 8, 8, 0.0, 0, 0, 0, 0, 0)
 
     sent = []
-    stop = _apply(RefusingEngine(), ["add", "7", [1, 2], {"max_tokens": 4}, 0.0], sent.append)
+    stop = _apply(RefusingEngine(), ["add", [["7", [1, 2], {"max_tokens": 4}, 0.0]]], sent.append)
     assert not stop and len(sent) == 1
     kind, handles, token_ids, texts, num_outputs, extras, stats, error = _loads(sent[0])
     assert (kind, handles, token_ids, texts, num_outputs, error) == ("step", ["7"], [[]], [""], [0], None)
     assert extras == [[0, True, "error", None, [None, 0, None]]] and stats[3] == 8
     assert _loads(encode_step([], stats, None))[0] == "step"
+
+
+def test_a_burst_of_adds_goes_as_one_message_and_runs_as_one_batch():
+    """128 requests submitted at once (W-seed) must not cost 128 pipe messages and child
+    wake-ups, nor trickle into the child's steps: the adds of one loop iteration go as one
+    "add" message (an abort sent after them still follows them), and the child schedules
+    them all in its first step."""
+    client = EngineProcessClient(config(async_scheduling=False))
+    try:
+        sent = []
+        send_bytes = client._commands.send_bytes
+        client._commands.send_bytes = lambda data: (sent.append(_loads(data)), send_bytes(data))[1]
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        for i in range(6):
+            client.add_request(f"b{i}", [1 + i, 2], params)
+        client.abort_request("b5")
+        assert [m[0] for m in sent] == ["add", "abort"] and len(sent[0][1]) == 6
+        assert sent[0][1][0][2] == {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}  # non-defaults only
+        deltas = []
+        while not deltas:
+            deltas = client.step()
+        first = [d for d in deltas if d.new_token_ids][:5]
+        assert sorted(d.request_id for d in first) == [f"b{i}" for i in range(5)]
+        while client.has_unfinished_requests():
+            deltas += client.step()
+        finished = {d.request_id: d.finish_reason for d in deltas if d.finished}
+        assert finished == {**{f"b{i}": "length" for i in range(5)}, "b5": "abort"}
+        client.check_integrity()
+    finally:
+        client.close()

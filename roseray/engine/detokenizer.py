@@ -40,6 +40,9 @@ class IncrementalDetokenizer:
         self._context_text: str | None = None  # decode of window[:read_offset], cached
         self.output_text = ""
 
+    def step_token(self, token_id: int) -> str:
+        return self.step([token_id])
+
     def step(self, new_token_ids: list[int]) -> str:
         self._window_ids.extend(new_token_ids)
         context_text = self._decoded_context()
@@ -100,6 +103,15 @@ class ByteDetokenizer:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._holding = False  # the decoder holds the first bytes of a character
         self.output_text = ""
+
+    def step_token(self, token_id: int) -> str:
+        """`step([token_id])` without the list (the per-token hot path)."""
+        if not self._holding and 0 <= token_id < len(self._ascii):
+            text = self._ascii[token_id]
+            if text is not None:
+                self.output_text += text
+                return text
+        return self.step([token_id])
 
     def step(self, new_token_ids: list[int]) -> str:
         if len(new_token_ids) == 1 and not self._holding:

@@ -36,8 +36,8 @@ def _is_plain_greedy(params: SamplingParams) -> bool:
 class InFlightStep:
     """A launched step whose sampled tokens the host has not processed yet."""
 
-    requests: list[Request]  # every request the step computed tokens for
-    sampling: list[Request]  # those that sample a token, in row order
+    chunks: list[Request]  # requests the step computed a prefill chunk for without sampling
+    sampling: list[Request]  # requests that sample a token, in row order
     output_index: list[int]  # where each sampled token goes in its request's output
     sample: PendingSample
 
@@ -186,23 +186,35 @@ class LLMEngine:
         try:
             logits, sample_mask = self.runner.run(batch, self.block_manager,
                                                   in_flight.sample.token_ids if in_flight else None)
-            sampling = [r for r, m in zip(batch.requests, sample_mask.tolist()) if m]
+            sampling = batch.requests if sample_mask.all() else [r for r, m in zip(batch.requests, sample_mask.tolist()) if m]
             sample = self.sampler.launch(logits, sampling, all_plain_greedy=self._num_not_plain_greedy == 0)
         except Exception as exc:  # the model or sampler failed: end this step's requests, keep the engine
             logger.exception("engine step failed; finishing its %d requests with an error", len(batch))
             self.last_error = exc
             deltas += self._fail(batch.requests)
             return None
-        for req, num_new in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += num_new
+        reqs = batch.requests
         output_index = []
-        for row, req in enumerate(sampling):
-            req.sample_row = row
-            req.num_pending += 1
-            output_index.append(len(req.output_token_ids))
-            req.token_ids.append(PLACEHOLDER)
-            req.output_token_ids.append(PLACEHOLDER)
-        return InFlightStep(batch.requests, sampling, output_index, sample)
+        if len(sampling) == len(reqs):  # every request samples (decode steps): one pass
+            chunks = []
+            for row, (req, num_new) in enumerate(zip(reqs, batch.num_new_tokens)):
+                req.num_computed_tokens += num_new
+                req.sample_row = row
+                req.num_pending += 1
+                output_index.append(len(req.output_token_ids))
+                req.token_ids.append(PLACEHOLDER)
+                req.output_token_ids.append(PLACEHOLDER)
+        else:
+            chunks = [r for r, m in zip(reqs, sample_mask.tolist()) if not m]
+            for req, num_new in zip(reqs, batch.num_new_tokens):
+                req.num_computed_tokens += num_new
+            for row, req in enumerate(sampling):
+                req.sample_row = row
+                req.num_pending += 1
+                output_index.append(len(req.output_token_ids))
+                req.token_ids.append(PLACEHOLDER)
+                req.output_token_ids.append(PLACEHOLDER)
+        return InFlightStep(chunks, sampling, output_index, sample)
 
     def _process(self, step: "InFlightStep") -> list[RequestDelta]:
         """Turn a launched step's sampled tokens into request updates and deltas (the
@@ -212,44 +224,54 @@ class LLMEngine:
         deltas, finished, statuses = [], [], []
         logprobs = sampled.logprobs
         max_model_len = self.max_model_len
+        finished_stopped = RequestStatus.FINISHED_STOPPED
+        caching = self.config.enable_prefix_caching
+        block_size = self.config.block_size
+        commit = self.block_manager.commit_full_blocks
         for i, (req, token, index) in enumerate(zip(step.sampling, sampled.token_ids, step.output_index)):
-            if req.status >= RequestStatus.FINISHED_STOPPED:
+            if req.status >= finished_stopped:
                 continue  # aborted or stopped while this step ran: its token is dropped
             req.num_pending -= 1
             req.output_token_ids[index] = token
-            req.token_ids[req.num_prompt_tokens + index] = token
+            num_prompt = req.num_prompt_tokens
+            req.token_ids[num_prompt + index] = token
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
             new_logprobs = None
-            if req.logprobs is not None and logprobs is not None:
+            if logprobs is not None and req.logprobs is not None:
                 new_logprobs = [logprobs[i]]
                 req.logprobs.append(logprobs[i])
                 req.cumulative_logprob += logprobs[i].get(token, 0.0)
             num_output = index + 1
             status = None
-            if (num_output >= req.max_tokens or token in req.eos_token_ids or token in req.stop_token_ids
-                    or req.num_prompt_tokens + num_output >= max_model_len):
+            if num_output >= req.max_tokens or token in req.stop_ids or num_prompt + num_output >= max_model_len:
                 status = self._check_stop(req, token, num_output)
-            new_text = req.detokenizer.step([token]) if req.detokenizer is not None else ""
-            if new_text:
-                if req.sampling_params.stop:
-                    new_text, status = self._check_stop_strings(req, new_text, status)
-                else:
-                    req.output_text += new_text
+            detokenizer = req.detokenizer
+            if detokenizer is None:
+                new_text = ""
+            else:
+                new_text = detokenizer.step_token(token)
+                if new_text:
+                    if req.sampling_params.stop:
+                        new_text, status = self._check_stop_strings(req, new_text, status)
+                    else:
+                        req.output_text += new_text
             if status is not None:  # a token launched after the stop is dropped by _finalize
                 finished.append(req)
                 statuses.append(status)
                 self._finalize(req, status)
+            # every token up to this one is known now: publish the blocks it completes
+            if caching and (num_prompt + num_output) // block_size > req.num_committed_blocks \
+                    and req.status == RequestStatus.RUNNING:
+                commit(req, num_prompt + num_output)
             deltas.append(RequestDelta(req.request_id, [token], new_text, status is not None, req.finish_reason,
-                                       new_logprobs, req.num_prompt_tokens, len(req.output_token_ids), req))
+                                       new_logprobs, num_prompt, len(req.output_token_ids), req))
         self.generation_tokens_total += len(deltas)
-        if self.config.enable_prefix_caching:
-            commit, block_size = self.block_manager.commit_full_blocks, self.config.block_size
-            for req in step.requests:
-                known = len(req.token_ids) - req.num_pending
-                if req.status == RequestStatus.RUNNING and known // block_size > req.num_committed_blocks:
-                    commit(req, known)
+        if caching:
+            for req in step.chunks:  # prefill chunks that sampled nothing
+                if req.status == RequestStatus.RUNNING and req.num_computed_tokens // block_size > req.num_committed_blocks:
+                    commit(req, len(req.token_ids) - req.num_pending)
         if finished:
             self.scheduler.finish_many(finished, statuses)
             for req in finished:

@@ -11,12 +11,18 @@ Wire: two OS pipes to a `python -m roseray.engine.engine_process` child (no
 multiprocessing start-method magic, no pickle: every message is a JSON list framed by
 `multiprocessing.connection.Connection`):
 
-    client -> engine   ["add", handle, token_ids, sampling_params, arrival_time]
+    client -> engine   ["add", [[handle, token_ids, sampling_params, arrival_time], ...]]
                        ["abort", handle]  ["check_integrity", call_id]  ["stop"]
     engine -> client   ["ready", info] | ["failed", error_type, message]      (once, at start)
                        ["step", handles, token_ids, texts, num_outputs, extras, stats, error]
                                                           (after every step with requests)
                        ["reply", call_id, error_message_or_null, stats]
+
+The client holds back the adds of one loop iteration and sends them as one "add"
+(before any other command, so an abort never overtakes its add): a burst of new requests
+costs one message and one wake-up of the child, which applies all of them before its next
+step and so schedules them as one batch. `sampling_params` holds only the fields that
+differ from SamplingParams' defaults.
 
 Requests are named by short handles ("0", "1", ...) that the client maps back to the
 server's request ids. A step message is columnar (one list per field, the common delta
@@ -51,6 +57,7 @@ from roseray.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_SAMPLING_DEFAULTS = tuple((name, getattr(SamplingParams(), name)) for name in _SAMPLING_FIELDS)
 _STATS_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage",
                  "prefix_cache_hits", "prefix_cache_queries", "num_preemptions_total", "prompt_tokens_total",
                  "generation_tokens_total")
@@ -127,13 +134,16 @@ def _apply(engine, command: list, send) -> bool:
     """Apply one command; True means stop."""
     kind = command[0]
     if kind == "add":
-        _, request_id, token_ids, params, arrival = command
-        try:
-            engine.add_request(request_id, token_ids, SamplingParams(**params), arrival_time=arrival)
-        except Exception:  # noqa: BLE001 - the client checked it; report it as a failed request
-            logger.exception("add_request failed in the engine process")
-            failed = RequestDelta(request_id, [], "", True, "error", None, len(token_ids), 0, RequestSummary(arrival))
-            send(encode_step([failed], _stats(engine), None))
+        failed = []
+        for request_id, token_ids, params, arrival in command[1]:
+            try:
+                engine.add_request(request_id, token_ids, SamplingParams(**params), arrival_time=arrival)
+            except Exception:  # noqa: BLE001 - the client checked it; report it as a failed request
+                logger.exception("add_request failed in the engine process")
+                failed.append(RequestDelta(request_id, [], "", True, "error", None, len(token_ids), 0,
+                                           RequestSummary(arrival)))
+        if failed:
+            send(encode_step(failed, _stats(engine), None))
     elif kind == "abort":
         engine.abort_request(command[1])
     elif kind == "check_integrity":
@@ -190,6 +200,7 @@ class EngineProcessClient:
         self._requests: dict[str, tuple[str, int, float]] = {}  # handle -> (request id, prompt length, arrival)
         self._next_handle = 0
         self._backlog: list[RequestDelta] = []  # step deltas read while waiting for a reply
+        self._adds: list[list] = []  # adds not sent yet: they go as one message (`_flush_adds`)
         self._stats = None
         self._last_message = time.monotonic()
         self._replies: dict[int, list] = {}
@@ -241,10 +252,11 @@ class EngineProcessClient:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.limits.check(token_ids, sampling_params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        params = {name: getattr(sampling_params, name) for name in _SAMPLING_FIELDS}
+        params = {name: value for name, default in _SAMPLING_DEFAULTS
+                  if (value := getattr(sampling_params, name)) != default}
         handle = str(self._next_handle)
         self._next_handle += 1
-        self._send(["add", handle, token_ids, params, arrival])
+        self._adds.append([handle, token_ids, params, arrival])
         self._handles[request_id] = handle
         self._requests[handle] = (request_id, len(token_ids), arrival)
 
@@ -257,8 +269,11 @@ class EngineProcessClient:
         return bool(self._requests) or bool(self._backlog)
 
     def step(self) -> list[RequestDelta]:
-        """Every delta the engine process sent since the last call (several steps' worth
-        when this side fell behind); [] when nothing arrived within `poll_s`."""
+        """Send the adds held back, then return every delta the engine process sent since
+        the last call (several steps' worth when this side fell behind); [] when nothing
+        arrived within `poll_s`."""
+        if self._adds:
+            self._flush_adds()
         deltas, self._backlog = self._backlog, []
         outputs = self._outputs
         if not deltas and not outputs.poll(self.poll_s):
@@ -309,7 +324,16 @@ class EngineProcessClient:
         self._outputs.close()
 
     # ---- internals ---------------------------------------------------------------------------
+    def _flush_adds(self) -> None:
+        adds, self._adds = self._adds, []
+        self._write(["add", adds])
+
     def _send(self, message: list) -> None:
+        if self._adds:  # an abort or a call must not overtake an add
+            self._flush_adds()
+        self._write(message)
+
+    def _write(self, message: list) -> None:
         try:
             self._commands.send_bytes(_dumps(message))
         except OSError as error:

@@ -47,7 +47,7 @@ class Request:
         "status", "row", "num_blocks", "num_committed_blocks", "block_hashes", "generator", "detokenizer",
         "output_text", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
-        "finished_time", "num_preemptions", "eos_token_ids", "stop_token_ids", "max_tokens",
+        "finished_time", "num_preemptions", "eos_token_ids", "stop_token_ids", "stop_ids", "max_tokens",
         "scheduled_step", "num_pending", "sample_row",
     )
 
@@ -91,6 +91,7 @@ class Request:
         self.num_preemptions = 0
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.stop_ids = self.eos_token_ids | self.stop_token_ids  # a token that may end the request
         self.max_tokens = max_tokens
         self.scheduled_step = -1  # the scheduler step that last scheduled this request
         self.num_pending = 0  # trailing tokens still being sampled on the device (PLACEHOLDER in token_ids)
