@@ -1,7 +1,7 @@
 """roseray's Triton kernels (imported as `roseray_kernels`), each with a torch reference."""
 
 from .activation import silu_and_mul, silu_and_mul_reference
-from .fused_norm import rmsnorm, rmsnorm_reference
+from .fused_norm import layernorm, layernorm_reference, rmsnorm, rmsnorm_reference
 from .kv_append import kv_append, kv_append_index_put_baseline, kv_append_reference
 from .paged_attention import choose_num_splits, paged_attention
 from .rotary import rotary_qk_, rotary_qk_reference
@@ -14,6 +14,8 @@ __all__ = [
     "kv_append",
     "kv_append_index_put_baseline",
     "kv_append_reference",
+    "layernorm",
+    "layernorm_reference",
     "paged_attention",
     "rmsnorm",
     "rmsnorm_reference",

@@ -1,14 +1,22 @@
-"""RMSNorm with an optional fused residual add: one launch per norm instead of the ~8
-elementwise and reduce kernels of the torch expression.
+"""RMSNorm and LayerNorm with an optional fused residual add: one launch per norm instead of
+the ~8 elementwise and reduce kernels of the torch RMSNorm expression, or LayerNorm's and the
+add's two.
 
     out = rmsnorm(x, weight, eps)                         # out = norm(x) * weight
     out, residual = rmsnorm(x, weight, eps, residual)     # residual = x + residual; out = norm(residual) * weight
+    out = layernorm(x, weight, bias, eps)                 # F.layer_norm(x, ..., weight, bias, eps)
+    out, residual = layernorm(x, weight, bias, eps, residual)
 
 Rounding follows Hugging Face's `LlamaRMSNorm` (and `residual + hidden` before it) step by
 step, so the kernel and the torch reference agree to the last bit but for the order of the
 sum of squares: the residual sum is rounded to the activation dtype, the statistics are fp32,
 `x * rstd` is rounded to the activation dtype before the weight multiplies it, and the output
 has the input's dtype.
+
+LayerNorm follows torch's CUDA F.layer_norm (GPT-2): fp32 mean and variance (biased), then
+`weight * ((x - mean) * rstd) + bias` in fp32, rounded once to the input dtype; the residual
+sum is rounded like torch's add. The kernel takes the variance in two passes over the row in
+registers where torch runs Welford: the statistics agree to fp32 rounding, not to the bit.
 
 Rows are the leading dims flattened (`[num_tokens, hidden]`, or `[num_tokens * num_heads,
 head_dim]` for Qwen3's per-head q/k norm); x may have a row stride (a view), the outputs are
@@ -18,6 +26,7 @@ new contiguous tensors.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -54,6 +63,44 @@ def _rmsnorm_kernel(
     normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], (normed * weight[None, :]).to(dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _layernorm_kernel(
+    x_ptr,  # [num_rows, HIDDEN], row stride stride_x
+    residual_ptr,  # [num_rows, HIDDEN], row stride stride_res (unused without HAS_RESIDUAL)
+    weight_ptr,  # [HIDDEN]
+    bias_ptr,  # [HIDDEN]
+    out_ptr,  # [num_rows, HIDDEN] contiguous
+    residual_out_ptr,  # [num_rows, HIDDEN] contiguous: x + residual
+    num_rows,
+    stride_x,
+    stride_res,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # next power of two of HIDDEN
+    ROWS: tl.constexpr,  # rows per program
+    HAS_RESIDUAL: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    col_ok = cols < HIDDEN
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        res = tl.load(residual_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)  # rounded like torch's `x + residual`
+        tl.store(residual_out_ptr + rows[:, None] * HIDDEN + cols[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf, axis=1) / HIDDEN  # [ROWS]
+    centered = tl.where(mask, xf - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / HIDDEN + eps)  # [ROWS], biased variance
+    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    out = weight[None, :] * (centered * rstd[:, None]) + bias[None, :]
+    tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], out.to(dtype), mask=mask)
 
 
 def _launch_shape(hidden: int) -> tuple[int, int, int]:
@@ -96,6 +143,44 @@ def rmsnorm(
             HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
         )
     return out if residual is None else (out, residual_out)
+
+
+def layernorm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    bias: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # same shape as x
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm(x) (affine); with `residual`, (LayerNorm(x + residual), x + residual). One launch."""
+    hidden = x.shape[-1]
+    assert weight.shape == bias.shape == (hidden,), (weight.shape, bias.shape, x.shape)
+    x2 = _rows(x, hidden)
+    num_rows = x2.shape[0]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        res2, residual_out = x2, out  # unused by the kernel
+    else:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype, x.dtype)
+        res2 = _rows(residual, hidden)
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_rows:
+        block_h, rows, num_warps = _launch_shape(hidden)
+        _layernorm_kernel[(triton.cdiv(num_rows, rows),)](
+            x2, res2, weight, bias, out, residual_out, num_rows, x2.stride(0), res2.stride(0), eps,
+            HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        )
+    return out if residual is None else (out, residual_out)
+
+
+def layernorm_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: F.layer_norm after `x + residual` (Hugging Face's GPT-2 block order)."""
+    if residual is not None:
+        x = x + residual
+    out = F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    return out if residual is None else (out, x)
 
 
 def rmsnorm_reference(

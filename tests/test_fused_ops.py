@@ -20,7 +20,7 @@ from roseray.layers.rotary import RotaryEmbedding
 from roseray.layers.vocab import padded_vocab_size, vocab_logits, vocab_parameter
 from roseray.models.loader import load_model, load_model_config
 from roseray_kernels.activation import silu_and_mul, silu_and_mul_reference
-from roseray_kernels.fused_norm import rmsnorm, rmsnorm_reference
+from roseray_kernels.fused_norm import layernorm, layernorm_reference, rmsnorm, rmsnorm_reference
 from roseray_kernels.rotary import rotary_qk_, rotary_qk_reference
 from roseray_kernels.sampling import gumbel_max_sample, split_columns
 from tests.hf_models import make_tiny_model
@@ -78,6 +78,37 @@ def test_rmsnorm_of_per_head_rows_of_a_strided_view():
     got = rmsnorm(q, weight, 1e-6)
     assert got.shape == q.shape
     assert rel_err(got, rmsnorm_reference(q, weight, 1e-6)) < 1e-5
+
+
+# --- LayerNorm (+ residual) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [48, 64])
+def test_layernorm_matches_reference_with_and_without_residual(dtype, hidden):
+    rows = 5 * SCALE
+    x, residual = randn(rows, hidden, dtype=dtype) + 3.0, randn(rows, hidden, dtype=dtype, seed=1)  # mean far from 0
+    weight, bias = randn(hidden, dtype=dtype, seed=2), randn(hidden, dtype=dtype, seed=3)
+    assert rel_err(layernorm(x, weight, bias, 1e-5), layernorm_reference(x, weight, bias, 1e-5)) < TOLERANCE[dtype]
+    out, new_residual = layernorm(x, weight, bias, 1e-5, residual)
+    want_out, want_residual = layernorm_reference(x, weight, bias, 1e-5, residual)
+    assert out.dtype == dtype and new_residual.dtype == dtype
+    torch.testing.assert_close(new_residual, want_residual, atol=0, rtol=0)  # one rounding, like torch's add
+    assert rel_err(out, want_out) < TOLERANCE[dtype]
+    assert not torch.equal(new_residual, residual)  # the inputs are left alone
+
+
+def test_layernorm_of_a_row_strided_view_and_a_constant_row():
+    """Rows of a wider tensor (a view); a constant row normalises to the bias (variance 0 + eps)."""
+    tokens, hidden = 4 * SCALE, 40
+    wide = randn(tokens, hidden + 24)
+    x = wide[:, :hidden]
+    x[0] = 2.5
+    weight, bias = randn(hidden, seed=4), randn(hidden, seed=5)
+    got = layernorm(x, weight, bias, 1e-5)
+    assert got.shape == x.shape and got.is_contiguous()
+    assert rel_err(got, layernorm_reference(x, weight, bias, 1e-5)) < 1e-5
+    torch.testing.assert_close(got[0], bias, atol=1e-6, rtol=0)
 
 
 # --- SiLU and mul ----------------------------------------------------------------------
@@ -206,7 +237,7 @@ def test_llama_lm_head_shares_padded_storage_with_tied_embeddings(tie):
 # --- whole models: the Triton path equals the torch path -------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
 def test_model_logits_on_the_triton_path_equal_the_torch_path(kind, tmp_path):
     path = make_tiny_model(kind, tmp_path)
     config = load_model_config(str(path))

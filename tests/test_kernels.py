@@ -227,6 +227,19 @@ def test_mha_decode_split_kv_with_graph_padding(num_splits, mha_decode_block_n):
     step.check(step.attend(num_splits=num_splits))
 
 
+@pytest.mark.parametrize("seqs", [decode_seqs([1, 17, 40]), [(0, 9), (16, 1), (5, 12)]], ids=["decode", "mixed"])
+def test_attention_takes_query_views_of_a_fused_qkv(seqs):
+    """GPT-2 passes q as a view of its c_attn output (token stride 3 * hidden): same output."""
+    step = Step(seqs, num_kv_heads=3, group=1, head_dim=64, dtype=torch.float32, seed=5)
+    step.append()
+    want = step.attend()
+    qkv = torch.zeros(step.query.shape[0], 3, 3 * 64, device=DEVICE)
+    qkv[:, 0] = step.query.reshape(step.query.shape[0], -1)
+    step.query = qkv[:, 0].view(step.query.shape)
+    assert step.query.stride(0) == 3 * 3 * 64
+    torch.testing.assert_close(step.attend(), want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("num_splits", [2, 4, 64])
 def test_decode_split_kv_with_graph_padding(num_splits):
     """Flash-decoding splits, a padded sequence (seq_len 0, slot -1) and padding rows."""

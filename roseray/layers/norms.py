@@ -1,5 +1,6 @@
-"""Normalisation layers: RMSNorm (Llama family) computed in fp32 like Hugging Face, with the
-residual add of the decoder layer fused in (`norm(x, residual) -> (out, x + residual)`).
+"""Normalisation layers: RMSNorm (Llama family) computed in fp32 like Hugging Face, and
+LayerNorm (GPT-2), each with the residual add of the decoder layer fused in
+(`norm(x, residual) -> (out, x + residual)`).
 
 On CUDA one Triton kernel does the add and the norm; elsewhere the torch code below does,
 op by op as Hugging Face does (it is also the kernel's test oracle).
@@ -40,3 +41,22 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * xf.to(input_dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm over the last dim (its weight and bias, so loaders and initialisers treat it
+    as one), with the residual add fused like RMSNorm's:
+    `forward(x, residual)` -> (LayerNorm(x + residual), x + residual)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, eps=eps)  # weight, bias: [hidden_size]
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if fused.use_triton(x):
+            return fused.layernorm(x, self.weight, self.bias, self.eps, residual)
+        if residual is None:
+            return super().forward(x)
+        x = x + residual
+        return super().forward(x), x

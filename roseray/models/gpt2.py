@@ -2,6 +2,11 @@
 
 Parameter names mirror Hugging Face's. GPT-2 checkpoints store their projections as
 `Conv1D` weights of shape [in, out]; they are transposed into nn.Linear's [out, in] on load.
+
+The residual stream travels beside the hidden states as in the Llama path: each LayerNorm
+adds the previous sub-block's output to it and normalises the sum in one step (one Triton
+kernel on CUDA); the first block's ln_1 adds the token and position embeddings. The sums
+are the ones Hugging Face takes, in the same order.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from roseray.config import ModelConfig
 from roseray.layers.activation import get_activation
 from roseray.layers.attention import Attention
 from roseray.layers.linear import WeightEntry, load_weight_entries
+from roseray.layers.norms import LayerNorm
 from roseray.layers.vocab import vocab_logits, vocab_parameter
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -31,8 +37,10 @@ class GPT2Attention(nn.Module):
         self.attn = Attention(num_heads, num_heads, head_dim, scale=head_dim**-0.5)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.c_attn(hidden).split(self.hidden_size, dim=-1)  # each [num_tokens, hidden_size]
-        return self.c_proj(self.attn(q.contiguous(), k.contiguous(), v.contiguous()))
+        # Views of the fused projection, each [num_tokens, hidden_size] with row stride 3 * hidden_size:
+        # the KV append and the attention take token-strided rows, so nothing is copied.
+        q, k, v = self.c_attn(hidden).split(self.hidden_size, dim=-1)
+        return self.c_proj(self.attn(q, k, v))
 
 
 class GPT2MLP(nn.Module):
@@ -49,14 +57,19 @@ class GPT2MLP(nn.Module):
 class GPT2Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.ln_1 = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.attn = GPT2Attention(config)
-        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.ln_2 = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = GPT2MLP(config)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.attn(self.ln_1(hidden))
-        return hidden + self.mlp(self.ln_2(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous block's MLP output (the token embeddings for the first block);
+        residual: the stream before it (the position embeddings) -> (this block's MLP output,
+        the residual stream before it)."""
+        normed, residual = self.ln_1(hidden, residual)
+        hidden = self.attn(normed)
+        normed, residual = self.ln_2(hidden, residual)
+        return self.mlp(normed), residual
 
 
 class GPT2Model(nn.Module):
@@ -66,13 +79,14 @@ class GPT2Model(nn.Module):
                                 _weight=vocab_parameter(config.vocab_size, config.hidden_size))
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.num_hidden_layers))
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.ln_f = LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.wte(input_ids) + self.wpe(positions)  # [num_tokens, hidden_size]
+        # Summed by the first LayerNorm: wte + wpe, Hugging Face's embedding sum.
+        hidden, residual = self.wte(input_ids), self.wpe(positions)  # each [num_tokens, hidden_size]
         for block in self.h:
-            hidden = block(hidden)
-        return self.ln_f(hidden)
+            hidden, residual = block(hidden, residual)
+        return self.ln_f(hidden, residual)[0]
 
 
 class GPT2ForCausalLM(nn.Module):
