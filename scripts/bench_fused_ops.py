@@ -10,6 +10,8 @@ padded lm_head, on a CUDA device (bf16):
     builds the "before" model instead, so its per-step cos/sin gather is measured as it was.
 (b) the sampler at batch 256 x vocab 151936, temperature 0.6: full torch path vs fused.
 (c) GPT-2's lm_head [128, 768] x [768, 50257]: plain weight vs padded rows (roseray.layers.vocab).
+(d) GPT-2 W-seed step pieces at batch 128: residual add + LayerNorm (torch's two kernels vs the
+    fused one) and greedy argmax over bf16 logits vs the old `.float()` copy + fp32 argmax.
 Medians of triton.testing.do_bench (L2 flushed between runs) unless said otherwise.
 """
 
@@ -34,7 +36,7 @@ from roseray.layers.fused import fused_kernels
 from roseray.layers.triton_backend import TritonAttentionBackend
 from roseray.layers.vocab import padded_vocab_size, vocab_logits, vocab_parameter
 from roseray.models.loader import build_model, load_model, load_model_config
-from roseray_kernels import sampling
+from roseray_kernels import layernorm, sampling
 from roseray.sampling_params import SamplingParams
 
 DEVICE = torch.device("cuda")
@@ -341,6 +343,36 @@ def bench_qwen_logits(results: dict, rows: int = 256, hidden_size: int = 1024, v
     results[f"qwen3_logits_{rows}x{hidden_size}x{vocab}"] = out
 
 
+def per_call_us(fn, calls: int = 20) -> float:
+    """Device time of one call: `calls` calls replayed as one CUDA graph (no launch gaps)."""
+    return 1000 * median_ms(graphed(lambda: [fn() for _ in range(calls)])) / calls
+
+
+@torch.inference_mode()
+def bench_gpt2_pieces(results: dict, rows: int = 128, hidden_size: int = 768, vocab: int = 50257) -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    x, residual = (torch.randn(rows, hidden_size, device=DEVICE, dtype=DTYPE, generator=gen) for _ in range(2))
+    weight, bias = (torch.randn(hidden_size, device=DEVICE, dtype=DTYPE, generator=gen) for _ in range(2))
+
+    def torch_add_norm():
+        summed = x + residual
+        return F.layer_norm(summed, (hidden_size,), weight, bias, 1e-5), summed
+
+    fused_out, fused_sum = layernorm(x, weight, bias, 1e-5, residual)
+    torch_out, torch_sum = torch_add_norm()
+    logits = torch.randn(rows, padded_vocab_size(vocab), device=DEVICE, dtype=DTYPE, generator=gen)[:, :vocab]
+    results[f"gpt2_pieces_b{rows}"] = {
+        "add_layernorm_torch_us": per_call_us(torch_add_norm),
+        "add_layernorm_fused_us": per_call_us(lambda: layernorm(x, weight, bias, 1e-5, residual)),
+        "add_layernorm_out_max_abs_diff": float((fused_out.float() - torch_out.float()).abs().max()),
+        "add_layernorm_out_mismatched_fraction": float((fused_out != torch_out).float().mean()),
+        "add_layernorm_sum_equal": bool(torch.equal(fused_sum, torch_sum)),
+        "greedy_float_copy_argmax_us": per_call_us(lambda: logits.float().argmax(dim=-1)),
+        "greedy_bf16_argmax_us": per_call_us(lambda: logits.argmax(dim=-1)),
+        "greedy_same_tokens": bool(torch.equal(logits.float().argmax(dim=-1), logits.argmax(dim=-1))),
+    }
+
+
 @torch.inference_mode()
 def bench_syncs(results: dict) -> None:
     """Synchronizing CUDA calls per sampler call, as torch's sync debug mode counts them."""
@@ -387,7 +419,7 @@ def main() -> None:
     import triton
 
     results["triton"] = triton.__version__
-    for step in (lambda: bench_syncs(results), lambda: bench_lm_head(results, 128),
+    for step in (lambda: bench_syncs(results), lambda: bench_gpt2_pieces(results), lambda: bench_lm_head(results, 128),
                  lambda: bench_lm_head(results, 256), lambda: bench_qwen_logits(results),
                  lambda: bench_sampler(results, 256, 151936, 0.6), lambda: bench_sampler(results, 32, 151936, 0.6),
                  lambda: bench_layers(results, args.baseline_llama, 256, args.context)):

@@ -58,6 +58,34 @@ def test_temperature_zero_rows_are_greedy_in_a_mixed_batch():
     assert sampled_rows_differ > 50  # the other rows really are sampled
 
 
+@pytest.mark.parametrize("all_plain_greedy", [False, True])
+def test_greedy_over_bf16_logits_is_the_fp32_argmax_first_index_on_ties(all_plain_greedy):
+    """GPT-2 hands over bf16 logits (no fp32 copy): the argmax must be the one of their fp32 upcast."""
+    logits = random_logits(5, 300, seed=2).to(torch.bfloat16)
+    logits[1, 7] = logits[1, 250] = logits[1].max() + 1  # a tie: the first index
+    logits[3, -1] = logits[3].max() + 1
+    requests = [make_request(SamplingParams(temperature=0.0)) for _ in range(5)]
+    out = Sampler().launch(logits, requests, all_plain_greedy=all_plain_greedy).result()
+    assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+    assert out.token_ids[1] == 7 and out.token_ids[3] == 299
+
+
+def test_bf16_logits_with_penalties_logprobs_and_sampling_match_their_fp32_upcast():
+    """Every stage past the plain argmax works on an fp32 copy: bf16 logits give what their
+    fp32 upcast gives, seed for seed."""
+    logits = random_logits(4, 60, seed=3).to(torch.bfloat16)
+    requests = [make_request(SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=1.3), output=[1, 2]),
+                make_request(SamplingParams(temperature=0.8, top_k=20, seed=5)),
+                make_request(SamplingParams(temperature=1.2, top_p=0.9, logprobs=2, seed=6)),
+                make_request(SamplingParams(temperature=0.0, min_tokens=3), output=[4])]
+    got = Sampler(seed=0)(logits, requests)
+    for req in requests:
+        req.generator = None  # the seeded rows start their generators again
+    want = Sampler(seed=0)(logits.float(), requests)
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == want.logprobs and got.sampled_logprobs == want.sampled_logprobs
+
+
 def test_sampler_does_not_modify_the_callers_logits():
     logits = random_logits(2, 20)
     before = logits.clone()

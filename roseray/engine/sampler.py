@@ -17,6 +17,10 @@ the exponential race, no [B, V] temporaries), keyed by a seed drawn on the devic
 shared generator. Any other rows of the batch go through the full path above on their own
 and are merged in before the one host copy.
 
+The logits come in the model's dtype (bf16 on GPUs; GPT-2's compute_logits does not upcast):
+greedy argmaxes and the Gumbel-max kernel read them as they are (upcasting bf16 to fp32 is
+exact, so the index is the same), every other stage works on an fp32 copy.
+
 Every per-request parameter becomes one tensor per call, built from a Python list and
 copied host->device without blocking; the only device->host copy is the final `.tolist()`.
 A seeded request draws its row's noise from its own generator (`request.generator`), so

@@ -100,9 +100,11 @@ class GPT2ForCausalLM(nn.Module):
         return self.transformer(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 (lm_head tied to wte; a view
-        of logits over 50304 padded rows for GPT-2's 50257: see roseray.layers.vocab)."""
-        return vocab_logits(hidden, self.transformer.wte.weight).float()
+        """[num_rows, hidden_size] -> [num_rows, vocab_size] in the model's dtype (lm_head tied to
+        wte; a view of logits over 50304 padded rows for GPT-2's 50257: see roseray.layers.vocab).
+        Not upcast here: a greedy batch takes the argmax of the bf16 logits as they are (the same
+        index as over an fp32 copy), and the sampler upcasts the rows that need more."""
+        return vocab_logits(hidden, self.transformer.wte.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weight_entries(self, self._entries(weights))
