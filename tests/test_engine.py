@@ -213,3 +213,33 @@ def test_piecewise_token_buckets_and_cpu_runs_eagerly():
     assert llm.engine.runner.piecewise is None and not llm.engine.runner.graphs
     with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
         LLM("random:tiny", device="cpu", cuda_graph_max_tokens=-1)
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_decode_step_inputs_match_a_per_request_reference(pad):
+    """ModelRunner.prepare's decode-only path (one token per request, CUDA-graph padding)
+    lays out ids, positions, slots, query starts, lengths and block tables exactly as the
+    definitions say, for requests of different lengths crossing block boundaries."""
+    engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", num_kv_blocks=64, block_size=4,
+                                    max_num_seqs=8, async_scheduling=False))
+    for i, length in enumerate([1, 3, 4, 7, 9]):
+        engine.add_request(f"d{i}", list(range(1, length + 1)), SamplingParams(temperature=0.0, max_tokens=20,
+                                                                               ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    batch = engine.scheduler.schedule()
+    assert batch.num_tokens == len(batch) == 5
+    step, _ = engine.runner.prepare(batch, engine.block_manager, pad_to=len(batch) + pad)
+    host, n, bs = engine.runner._host, len(batch), 4
+    o_ids, o_pos, o_slot, o_qsl, o_lens, o_tab = step.offsets
+    table = engine.block_manager.block_tables
+    for i, req in enumerate(batch.requests):
+        pos = req.num_computed_tokens
+        assert host[o_ids + i] == req.token_ids[pos] and host[o_pos + i] == pos
+        assert host[o_slot + i] == table[req.row, pos // bs] * bs + pos % bs
+        assert host[o_lens + i] == pos + 1
+        row = host[o_tab + i * step.num_block_cols: o_tab + (i + 1) * step.num_block_cols]
+        assert row.tolist() == table[req.row, : step.num_block_cols].tolist()
+    assert host[o_qsl: o_qsl + n + pad + 1].tolist() == list(range(n + pad + 1))
+    assert host[o_slot + n: o_slot + n + pad].tolist() == [-1] * pad and host[o_lens + n: o_lens + n + pad].tolist() == [0] * pad
+    assert step.sample_mask.all() and step.logits_indices.tolist() == list(range(n))

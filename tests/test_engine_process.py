@@ -15,7 +15,7 @@ from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState
 from roseray.engine.engine import EngineStats
 from roseray.engine.engine_process import EngineProcessClient, EngineProcessError, _apply, _loads, encode_step
-from roseray.engine.request import RequestSummary
+from roseray.engine.request import RequestDelta, RequestSummary
 from roseray.sampling_params import SamplingParams
 from tests.test_server_api import serving, sse_events, wait_until_idle
 
@@ -256,3 +256,10 @@ def test_a_burst_of_adds_goes_as_one_message_and_runs_as_one_batch():
         client.check_integrity()
     finally:
         client.close()
+
+
+def test_a_step_message_sends_a_single_token_bare_and_a_list_otherwise():
+    deltas = [RequestDelta("1", [5], "a", False, None, None, 1, 1, None),
+              RequestDelta("2", [], "", True, "abort", None, 1, 0, RequestSummary(0.0)),
+              RequestDelta("3", [6, 7], "bc", False, None, None, 1, 2, None)]
+    assert _loads(encode_step(deltas, [], None))[2] == [5, [], [6, 7]]

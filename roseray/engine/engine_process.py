@@ -26,7 +26,8 @@ differ from SamplingParams' defaults.
 
 Requests are named by short handles ("0", "1", ...) that the client maps back to the
 server's request ids. A step message is columnar (one list per field, the common delta
-costs a handle, a token list, a text and a count); `extras` holds the rare parts by
+costs a handle, a token id (bare when the delta has exactly one: flat ints encode ~2.5x
+faster than one-element lists; else the list), a text and a count); `extras` holds the rare parts by
 delta index: [index, finished, finish_reason, logprobs, summary] (see `encode_step`).
 `error` is the repr of the engine's `last_error` when a step failed. The child
 sends while it has requests and blocks on its command pipe when idle. If the server
@@ -98,7 +99,8 @@ def encode_step(deltas: list[RequestDelta], stats: list, error: str | None) -> b
                 req = delta.request
                 summary = [req.first_scheduled_time, req.num_cached_tokens, req.stop_reason]
             extras.append([index, delta.finished, delta.finish_reason, logprobs, summary])
-    return _dumps(["step", [d.request_id for d in deltas], [d.new_token_ids for d in deltas],
+    tokens = [d.new_token_ids[0] if len(d.new_token_ids) == 1 else d.new_token_ids for d in deltas]
+    return _dumps(["step", [d.request_id for d in deltas], tokens,
                     [d.new_text for d in deltas], [d.num_output_tokens for d in deltas], extras, stats,
                     error])
 
@@ -361,6 +363,8 @@ class EngineProcessClient:
         start = len(deltas)
         for handle, tokens, text, num_output in zip(handles, token_ids, texts, num_outputs):
             request_id, num_prompt, _ = requests[handle]
+            if tokens.__class__ is not list:  # one token id, sent bare
+                tokens = [tokens]
             deltas.append(RequestDelta(request_id, tokens, text, False, None, None, num_prompt, num_output, None))
         for index, finished, reason, logprobs, summary in extras:
             delta = deltas[start + index]

@@ -198,17 +198,24 @@ class ModelRunner:
             offset += -(-size // ALIGN) * ALIGN  # every region starts 64-byte aligned (one Triton variant)
         ids_v, pos_v, slot_v, qsl_v, lens_v, tables_v = views
 
-        # positions: each sequence's new tokens continue from its computed prefix
-        qsl_v[0] = 0
-        np.cumsum(query_lens, out=qsl_v[1: num_seqs + 1])
-        token_seq = np.repeat(np.arange(num_seqs, dtype=np.int32), query_lens)  # [num_tokens]
-        positions = self._arange[:num_tokens] - (qsl_v[:num_seqs] - starts)[token_seq]
-        pos_v[:num_tokens] = positions
         tables = block_manager.block_tables[rows, :num_block_cols]  # [num_seqs, num_block_cols]
-        slot_v[:num_tokens] = tables[token_seq, positions // self.block_size] * self.block_size + positions % self.block_size
-        if batch.num_tokens == num_seqs:  # decode only: one token per request
-            ids_v[:num_tokens] = [r.token_ids[-1] for r in reqs]
+        decode_only = num_tokens == num_seqs  # one token per request: token i is sequence i's
+        if decode_only:
+            qsl_v[: num_seqs + 1] = self._arange[: num_seqs + 1]
+            pos_v[:num_tokens] = starts
+            slot_v[:num_tokens] = (tables[self._arange[:num_seqs], starts // self.block_size] * self.block_size
+                                   + starts % self.block_size)
+            last_ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int32)
+            ids_v[:num_tokens] = last_ids
         else:
+            # positions: each sequence's new tokens continue from its computed prefix
+            qsl_v[0] = 0
+            np.cumsum(query_lens, out=qsl_v[1: num_seqs + 1])
+            token_seq = np.repeat(np.arange(num_seqs, dtype=np.int32), query_lens)  # [num_tokens]
+            positions = self._arange[:num_tokens] - (qsl_v[:num_seqs] - starts)[token_seq]
+            pos_v[:num_tokens] = positions
+            slot_v[:num_tokens] = (tables[token_seq, positions // self.block_size] * self.block_size
+                                   + positions % self.block_size)
             ids_v[:num_tokens] = [t for r, s, n in zip(reqs, starts.tolist(), num_new) for t in r.token_ids[s: s + n]]
         lens_v[:num_seqs] = seq_lens
         tables_v.reshape(padded_seqs, num_block_cols)[:num_seqs] = tables
@@ -223,7 +230,10 @@ class ModelRunner:
         last = qsl_v[1: num_seqs + 1] - 1
         # Input tokens the step in flight is still sampling (placeholders): the device fills
         # them in from that step's sampled ids (row `sample_row`).
-        pending = [i for i, r in enumerate(reqs) if r.token_ids[-1] < 0]
+        if decode_only:
+            pending = np.flatnonzero(last_ids < 0).tolist()
+        else:
+            pending = [i for i, r in enumerate(reqs) if r.token_ids[-1] < 0]
         if pending:
             self._host[offset: offset + len(pending)] = last[pending]
             self._host[offset + len(pending): offset + 2 * len(pending)] = [reqs[i].sample_row for i in pending]

@@ -55,22 +55,25 @@ class Scheduler:
         prefilling: list[Request] = []
 
         # 1. decodes of running requests, oldest first (the common case: no allocation)
-        for req in list(self.running):
-            if req.status != RequestStatus.RUNNING:
+        running_status = RequestStatus.RUNNING
+        scheduled, num_new_tokens = out.requests, out.num_new_tokens
+        for req in list(self.running):  # a copy: _reserve may preempt
+            if req.status != running_status:
                 continue  # preempted earlier in this loop
             num_tokens = len(req.token_ids)
-            if num_tokens - req.num_computed_tokens > 1:
+            num_computed = req.num_computed_tokens
+            if num_tokens - num_computed > 1:
                 prefilling.append(req)
                 continue
             if len(req.output_token_ids) >= req.max_tokens or num_tokens >= max_model_len:
                 continue  # its last token is being sampled by the step in flight
             if budget == 0:
                 break
-            if req.num_computed_tokens >= req.num_blocks * block_size and not self._reserve(req, 1, out):
+            if num_computed >= req.num_blocks * block_size and not self._reserve(req, 1, out):
                 continue
             req.scheduled_step = step
-            out.requests.append(req)
-            out.num_new_tokens.append(1)
+            scheduled.append(req)
+            num_new_tokens.append(1)
             budget -= 1
 
         # 2. the next chunk of running requests still in prefill
