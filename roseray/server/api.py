@@ -7,7 +7,8 @@ in the engine. Prompt text is never logged unless `log_prompts` is set.
 
 Around the routes, outermost first: the replica header on every response; CORS (only
 when origins are configured: a browser on another origin gets nothing otherwise); the
-API key (before any body is read); the body size limit (413).
+API key (before any body is read); the body size limit (413); the generation fast path
+(fast_routes.py: a well-formed completion or chat body skips FastAPI's request machinery).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from roseray.sampling_params import SamplingParams
 from roseray.server.auth import ApiKeyMiddleware
 from roseray.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from roseray.server.errors import APIError, error_body, install_error_handlers, param_of
+from roseray.server.fast_routes import GenerationFastPath
 from roseray.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from roseray.server.openapi import (PROBE_RESPONSES, READ_RESPONSES, ChatCompletionChunk, ChatCompletionResponse,
                                     CompletionChunk, CompletionResponse, ModelCard, ModelList, Status,
@@ -323,6 +325,7 @@ def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_
         return await server.generate(http_request, body)
 
     # add_middleware puts each one outside the ones before it
+    app.add_middleware(GenerationFastPath, server=server)  # innermost: well-formed generation requests skip FastAPI
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # refuses before the body is read

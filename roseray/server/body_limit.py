@@ -35,7 +35,7 @@ class BodyLimitMiddleware:
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left while sending its body
-                await self.app(scope, _replay([message], receive), send)
+                await self.app(scope, replay_receive([message], receive), send)
                 return
             body = message.get("body", b"")
             size += len(body)
@@ -46,7 +46,7 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        await self.app(scope, _replay([whole], receive), send)
+        await self.app(scope, replay_receive([whole], receive), send)
 
     async def _refuse(self, send) -> None:
         body = json.dumps(error_body(413, f"the request body is larger than the limit of {self.max_body_bytes} bytes",
@@ -67,7 +67,8 @@ def _content_length(scope) -> int | None:
     return None
 
 
-def _replay(messages: list[dict], receive):
+def replay_receive(messages: list[dict], receive):
+    """`receive` that first returns `messages` (a body already read), then the server's own."""
     pending = list(messages)
 
     async def replayed():
