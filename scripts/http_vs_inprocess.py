@@ -48,7 +48,9 @@ async def _client_streams(port: int, model: str, n: int, max_tokens: int, barrie
     url = f"http://127.0.0.1:{port}/v1/completions"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await _one(session, url, model, 4)  # this process's connection pool and code paths warm
+        # this process's connection pool (one keep-alive connection per stream, as long-lived
+        # clients hold) and the server's code paths warm
+        await asyncio.gather(*[_one(session, url, model, 4) for _ in range(n)])
         barrier.wait()  # every client process is ready: all streams start together
         return await asyncio.gather(*[_one(session, url, model, max_tokens) for _ in range(n)])
 
