@@ -3,7 +3,11 @@
 All requests are submitted at once to AsyncLLMEngine; every delta is timestamped on
 the asyncio side as a stream reader sees it.
 
-    python -m roseray.bench stream --workload seed --out seed.json [--peer-hf]
+    python -m roseray.bench stream --workload seed --out seed.json [--peer-hf] [--timeline]
+
+`--timeline` also prints where the measured run's first milliseconds went, from its first
+submission: when the adds were sent to the engine process (and how many per message),
+and when the engine loop's first steps returned (with how many token deltas).
 """
 
 from __future__ import annotations
@@ -33,8 +37,42 @@ async def _consume(engine: AsyncLLMEngine, request_id: str, prompt, params) -> t
     return submitted, arrivals
 
 
-async def _run(engine: AsyncLLMEngine, prompts, params) -> dict:
+class Timeline:
+    """Times the engine loop's calls into its engine (wrapped on the instance, bench only)."""
+
+    def __init__(self, engine) -> None:
+        self.started = 0.0
+        self.flushes: list[tuple[float, int]] = []  # (time, adds in the message)
+        self.steps: list[tuple[float, int]] = []  # (time a step call returned, deltas with tokens)
+        step = engine.step
+
+        def timed_step():
+            deltas = step()
+            if deltas or self.steps or self.flushes:
+                self.steps.append((time.perf_counter(), sum(1 for d in deltas if d.new_token_ids)))
+            return deltas
+
+        engine.step = timed_step
+        flush = getattr(engine, "_flush_adds", None)
+        if flush is not None:  # EngineProcessClient: the adds of a loop iteration go as one message
+            def timed_flush():
+                self.flushes.append((time.perf_counter(), len(engine._adds)))
+                flush()
+
+            engine._flush_adds = timed_flush
+
+    def report(self, first_tokens: list[float]) -> dict:
+        ms = lambda t: round((t - self.started) * 1e3, 3)  # noqa: E731
+        return {"adds_sent_ms": [(ms(t), n) for t, n in self.flushes[:8]],
+                "steps_returned_ms": [(ms(t), n) for t, n in self.steps[:6]],
+                "first_token_ms": {k: round(v, 3) for k, v in
+                                   percentiles([(t - self.started) * 1e3 for t in first_tokens], (0, 50, 100)).items()}}
+
+
+async def _run(engine: AsyncLLMEngine, prompts, params, timeline: Timeline | None = None) -> dict:
     started = time.perf_counter()
+    if timeline is not None:
+        timeline.started = started
     results = await asyncio.gather(*[_consume(engine, f"seed-{i}", p, s)
                                      for i, (p, s) in enumerate(zip(prompts, params))])
     ttft, tpot, itl = [], [], []
@@ -52,12 +90,14 @@ async def _run(engine: AsyncLLMEngine, prompts, params) -> dict:
             tpot.append((times[-1] - times[0]) / (n - 1))
         itl.extend(np.diff(times).tolist())
     wall = last - started
+    extra = {"timeline": timeline.report([r[1][0][0] for r in results])} if timeline is not None else {}
     ms = lambda xs: {k: v * 1e3 for k, v in percentiles(xs).items()}  # noqa: E731
     return {"completion_tokens": total_tokens, "wall_s": wall, "throughput_tok_s": total_tokens / wall,
-            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl), "chunks_with_several_tokens": multi_token_chunks}
+            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl), "chunks_with_several_tokens": multi_token_chunks,
+            **extra}
 
 
-def run_seed(model: str, num_requests: int, engine_args: dict) -> dict:
+def run_seed(model: str, num_requests: int, engine_args: dict, timeline: bool = False) -> dict:
     prompts, params = seed_workload(num_requests)
     config = EngineConfig(model=model, max_num_seqs=num_requests, enable_prefix_caching=False, **engine_args)
     engine = AsyncLLMEngine.from_engine_config(config)
@@ -65,7 +105,7 @@ def run_seed(model: str, num_requests: int, engine_args: dict) -> dict:
     try:
         asyncio.run(_run(engine, prompts[:8], params[:8]))  # warm-up
         engine._loop = None  # a new event loop for the measured run
-        result = asyncio.run(_run(engine, prompts, params))
+        result = asyncio.run(_run(engine, prompts, params, Timeline(engine.engine) if timeline else None))
     finally:
         engine.stop()
         if engine._thread is not None:
@@ -89,12 +129,14 @@ def main(argv: list[str] | None = None) -> int:
                              "engine thread waits for it (Python's default is 0.005)")
     parser.add_argument("--peer-hf", action="store_true",
                         help="also run transformers' continuous batching on the same workload (GPU)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also report when the adds reached the engine process and the first steps returned")
     parser.add_argument("--out", default=None, help="write JSON here")
     args = parser.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     result = run_seed(args.model, args.num_requests, {"enforce_eager": args.enforce_eager, "device": args.device,
-                                                       "engine_process": args.engine_process})
+                                                       "engine_process": args.engine_process}, args.timeline)
     result["switch_interval_s"] = sys.getswitchinterval()
     rows = [("engine loop", "own process" if result["engine_process"] else "thread of this process"),
             ("throughput", f"{result['throughput_tok_s']:,.0f} completion tok/s"),
@@ -102,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
         v = result[metric]
         rows.append((metric.replace("_ms", ""), f"p50 {v['p50']:.3f}  p95 {v['p95']:.3f}  p99 {v['p99']:.3f} ms"))
+    if "timeline" in result:
+        t = result["timeline"]
+        rows.append(("adds sent (ms, count)", str(t["adds_sent_ms"])))
+        rows.append(("steps returned (ms, token deltas)", str(t["steps_returned_ms"])))
+        rows.append(("first tokens (ms)", str(t["first_token_ms"])))
     if args.peer_hf:
         from roseray.bench.peer_hf import run_hf_seed  # the peer needs CUDA and transformers' CB
 
