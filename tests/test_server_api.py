@@ -228,8 +228,9 @@ def test_metrics_expose_vllm_style_names_after_traffic(client):
                  "roseray:prompt_tokens_total", "roseray:generation_tokens_total",
                  "roseray:num_preemptions_total", 'roseray:request_success_total{finished_reason="length"'):
         assert name in text, name
-    count = next(line for line in text.split("\n") if line.startswith("roseray:e2e_request_latency_seconds_count"))
-    assert float(count.split()[-1]) >= 1
+    for name in ("roseray:e2e_request_latency_seconds_count", "roseray:request_queue_time_seconds_count"):
+        count = next(line for line in text.split("\n") if line.startswith(name))
+        assert float(count.split()[-1]) >= 1, name
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ blocks are freed and it goes back to the front of the waiting queue.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -99,6 +100,8 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             req.status = RequestStatus.RUNNING
             req.scheduled_step = step
+            if req.first_scheduled_time is None:  # the end of its queue time (a preempted one keeps the first)
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.requests.append(req)
             out.num_new_tokens.append(num_new)
