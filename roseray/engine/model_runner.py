@@ -125,12 +125,13 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_forward(self) -> None:
         """A forward at the largest step size, without a KV cache, plus logits and
-        softmax for max_num_seqs rows: the activation peak the cache must leave room for."""
+        softmax for max_num_seqs rows: the activation peak the cache must leave room for (the
+        sampler's fp32 copy of the logits included, also where the model returns bf16 ones)."""
         num_tokens = self.config.max_num_batched_tokens
         seq_lens = [min(self.max_model_len, num_tokens - i) for i in range(0, num_tokens, self.max_model_len)]
         hidden = self._dummy_forward(seq_lens, seq_lens)
         rows = hidden[-1:].expand(self.max_num_seqs, -1)
-        torch.softmax(self.model.compute_logits(rows), dim=-1)
+        torch.softmax(self.model.compute_logits(rows).float(), dim=-1)
 
     def _dummy_forward(self, query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
         """A forward of made-up sequences that writes nothing to the KV cache (every slot
