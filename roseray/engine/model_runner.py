@@ -49,6 +49,12 @@ def cuda_graph_buckets(max_batch: int) -> list[int]:
     return sorted({b for b in buckets if b <= max_batch} | {max_batch})
 
 
+def _fill_in_flight(ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor) -> None:
+    """ids[dst] = tokens[src] on the device: a step's placeholders for tokens that the step
+    still in flight samples (dst, src: int32 positions from the staging buffer)."""
+    ids.index_copy_(0, dst.long(), tokens.index_select(0, src.long()).to(ids.dtype))
+
+
 class StepInputs:
     """Host-side arrays of one step (views into the staging buffer) plus bookkeeping."""
 
@@ -164,7 +170,19 @@ class ModelRunner:
         mixed = [cap(40), cap(300), cap(38), long_len]  # decodes + chunks on a cached prefix
         self._dummy_forward([1, 1, min(5, mixed[2]), max(1, long_len // 2)], mixed)
         self._dummy_forward([1] * 5, [cap(n) for n in (1, 17, 100, 1000, 7)])  # decode, eager
-        torch.cuda.synchronize(self.device)
+        # What a step runs outside the graphs, at every decode batch size: the lm_head GEMM and
+        # argmax, and the in-flight fill. Their kernels depend on the size (cuBLAS picks by rows,
+        # index_select has small- and large-index kernels) and CUDA loads a kernel's module at
+        # its first launch: on the H100 that cost 9.6 ms in a first prefill step and 11.5 ms in
+        # the first decode step at batch 128, inside requests (W-seed's TTFT).
+        n, d = self.max_num_seqs, self.device
+        rows = torch.zeros((n, self.model_config.hidden_size), dtype=self.dtype, device=d)
+        ids, tokens = torch.zeros(n, dtype=torch.int32, device=d), torch.zeros(n, dtype=torch.int64, device=d)
+        for num_rows in cuda_graph_buckets(n):
+            self.model.compute_logits(rows[:num_rows]).argmax(dim=-1)
+            index = torch.arange(num_rows, dtype=torch.int32, device=d)
+            _fill_in_flight(ids, index, index, tokens[:num_rows])
+        torch.cuda.synchronize(d)
         logger.info("kernels warmed up in %.1f s", time.perf_counter() - started)
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
@@ -278,8 +296,8 @@ class ModelRunner:
         ids, pos, slot, qsl, lens, tables = self._to_device(step, used)
         if step.num_pending:
             n, start = step.num_pending, step.pending_offset
-            dst, src = self._device_buffer[start: start + n].long(), self._device_buffer[start + n: start + 2 * n].long()
-            ids.index_copy_(0, dst, in_flight_tokens.index_select(0, src).to(ids.dtype))
+            buf = self._device_buffer
+            _fill_in_flight(ids, buf[start: start + n], buf[start + n: start + 2 * n], in_flight_tokens)
         if graph_bucket:
             hidden = self._replay_graph(graph_bucket, ids, pos, slot, lens, tables)
         else:
