@@ -31,6 +31,24 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _load_rows(x_ptr, residual_ptr, residual_out_ptr, num_rows, stride_x, stride_res,
+               HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """This program's rows of x ([ROWS, BLOCK_H], padding 0), with the residual added and the
+    sum stored when HAS_RESIDUAL; also the row indexes, columns and masks for the stores."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    col_ok = cols < HIDDEN
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    rows = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(residual_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)  # rounded like torch's `x + residual`
+        tl.store(residual_out_ptr + rows[:, None] * HIDDEN + cols[None, :], x, mask=mask)
+    return x, rows, cols, col_ok, mask
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _rmsnorm_kernel(
     x_ptr,  # [num_rows, HIDDEN], row stride stride_x
@@ -47,17 +65,9 @@ def _rmsnorm_kernel(
     ROWS: tl.constexpr,  # rows per program
     HAS_RESIDUAL: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
-    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    col_ok = cols < HIDDEN
-    mask = (rows < num_rows)[:, None] & col_ok[None, :]
-    rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x, rows, cols, col_ok, mask = _load_rows(x_ptr, residual_ptr, residual_out_ptr, num_rows, stride_x, stride_res,
+                                             HIDDEN, BLOCK_H, ROWS, HAS_RESIDUAL)
     dtype = x.dtype
-    if HAS_RESIDUAL:
-        res = tl.load(residual_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)  # rounded like torch's `x + residual`
-        tl.store(residual_out_ptr + rows[:, None] * HIDDEN + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HIDDEN + eps)  # [ROWS]
     normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
@@ -82,17 +92,9 @@ def _layernorm_kernel(
     ROWS: tl.constexpr,  # rows per program
     HAS_RESIDUAL: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
-    cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
-    col_ok = cols < HIDDEN
-    mask = (rows < num_rows)[:, None] & col_ok[None, :]
-    rows = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x, rows, cols, col_ok, mask = _load_rows(x_ptr, residual_ptr, residual_out_ptr, num_rows, stride_x, stride_res,
+                                             HIDDEN, BLOCK_H, ROWS, HAS_RESIDUAL)
     dtype = x.dtype
-    if HAS_RESIDUAL:
-        res = tl.load(residual_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)  # rounded like torch's `x + residual`
-        tl.store(residual_out_ptr + rows[:, None] * HIDDEN + cols[None, :], x, mask=mask)
     xf = x.to(tl.float32)
     mean = tl.sum(xf, axis=1) / HIDDEN  # [ROWS]
     centered = tl.where(mask, xf - mean[:, None], 0.0)
@@ -118,15 +120,11 @@ def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
     return t2 if t2.stride(1) == 1 else t2.contiguous()
 
 
-def rmsnorm(
-    x: torch.Tensor,  # [..., hidden]
-    weight: torch.Tensor,  # [hidden]
-    eps: float,
-    residual: torch.Tensor | None = None,  # same shape as x
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """norm(x) * weight; with `residual`, (norm(x + residual) * weight, x + residual). One launch."""
+def _launch_norm(kernel, x: torch.Tensor, params: tuple[torch.Tensor, ...], eps: float,
+                 residual: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run `kernel` (x, residual, *params, out, residual_out, ...) over the rows of x."""
     hidden = x.shape[-1]
-    assert weight.shape == (hidden,), (weight.shape, x.shape)
+    assert all(p.shape == (hidden,) for p in params), ([p.shape for p in params], x.shape)
     x2 = _rows(x, hidden)
     num_rows = x2.shape[0]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -138,11 +136,21 @@ def rmsnorm(
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_rows:
         block_h, rows, num_warps = _launch_shape(hidden)
-        _rmsnorm_kernel[(triton.cdiv(num_rows, rows),)](
-            x2, res2, weight, out, residual_out, num_rows, x2.stride(0), res2.stride(0), eps,
+        kernel[(triton.cdiv(num_rows, rows),)](
+            x2, res2, *params, out, residual_out, num_rows, x2.stride(0), res2.stride(0), eps,
             HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
         )
     return out if residual is None else (out, residual_out)
+
+
+def rmsnorm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # same shape as x
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) * weight; with `residual`, (norm(x + residual) * weight, x + residual). One launch."""
+    return _launch_norm(_rmsnorm_kernel, x, (weight,), eps, residual)
 
 
 def layernorm(
@@ -153,24 +161,7 @@ def layernorm(
     residual: torch.Tensor | None = None,  # same shape as x
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm(x) (affine); with `residual`, (LayerNorm(x + residual), x + residual). One launch."""
-    hidden = x.shape[-1]
-    assert weight.shape == bias.shape == (hidden,), (weight.shape, bias.shape, x.shape)
-    x2 = _rows(x, hidden)
-    num_rows = x2.shape[0]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if residual is None:
-        res2, residual_out = x2, out  # unused by the kernel
-    else:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype, x.dtype)
-        res2 = _rows(residual, hidden)
-        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if num_rows:
-        block_h, rows, num_warps = _launch_shape(hidden)
-        _layernorm_kernel[(triton.cdiv(num_rows, rows),)](
-            x2, res2, weight, bias, out, residual_out, num_rows, x2.stride(0), res2.stride(0), eps,
-            HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
-        )
-    return out if residual is None else (out, residual_out)
+    return _launch_norm(_layernorm_kernel, x, (weight, bias), eps, residual)
 
 
 def layernorm_reference(
