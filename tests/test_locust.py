@@ -422,8 +422,11 @@ def check_run(run: LocustRun, path: str = "/v1/completions") -> dict:
     for name in replicas:
         m = summary["replicas"][name]
         assert m["requests"] > 0
-        for metric in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        for metric in ("ttft_ms", "tpot_ms", "e2e_ms"):
             assert m[metric]["count"] > 0 and m[metric]["p50"] > 0 and m[metric]["min"] >= 0, (name, metric)
+        # a gap is 0 when two steps' events came in one read: on a loaded 2-core host a slow
+        # client reads most of them that way (seen: p50 0 over 140 gaps), so only ask for some
+        assert m["itl_ms"]["count"] > 0 and m["itl_ms"]["max"] > 0 and m["itl_ms"]["min"] >= 0, (name, m["itl_ms"])
         ttft, e2e = samples[f"{name}/ttft"], samples[f"{name}/e2e"]
         itl, output = samples[f"{name}/itl"], samples[f"{name}/output_tokens"]
         # TTFT = E2E only when all of a request's chunks came in one read (seen on a loaded CPU host)
