@@ -41,3 +41,12 @@ def test_the_last_event_and_logprobs_requests_take_the_general_path():
     continuous = ResponseBuilder("chat", "c", "m", TokenText(lambda ids: "t"), include_usage=True,
                                  continuous_usage=True)
     assert continuous._text_event is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(["completion", "chat"]), st.booleans(), st.lists(st.text(max_size=6), min_size=1, max_size=4))
+def test_delta_event_gives_the_bytes_of_stream_chunks(kind, include_usage, texts):
+    fast, general = builder(kind, include_usage), builder(kind, include_usage)
+    general.created = fast.created
+    for text in texts:  # a chat stream's first event carries the role either way
+        assert fast.delta_event(delta(text)) == general.stream_chunks([delta(text)])

@@ -216,7 +216,7 @@ class OpenAIServer:
         def render(delta: RequestDelta) -> bytes:
             timer.on_tokens(len(delta.new_token_ids), time.monotonic())
             if not delta.finished:
-                return builder.stream_chunks((delta,))
+                return builder.delta_event(delta)
             self._finished(timer, delta)
             if delta.finish_reason == "error":
                 return sse_event(error_body(500, ENGINE_ERROR_MESSAGE, code="engine_error")) + SSE_DONE

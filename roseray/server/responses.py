@@ -55,7 +55,7 @@ class ResponseBuilder:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage and include_usage
         self.text_offset = 0  # completions' logprobs.text_offset
-        self.sent_role = False
+        self.sent_role = kind != "chat"  # a chat stream opens with the assistant role
         # The common event (new text, not the last, no logprobs, no running usage) is this
         # prefix + the JSON string of the text + this suffix: no dict, no json.dumps.
         self._text_event = None
@@ -105,6 +105,13 @@ class ResponseBuilder:
         if with_usage_key:
             body["usage"] = usage_body
         return body
+
+    def delta_event(self, delta: RequestDelta) -> bytes:
+        """The SSE bytes of one delta that does not end the stream (the per-step hot path)."""
+        text_event = self._text_event
+        if text_event is not None and delta.new_text and self.sent_role:
+            return text_event[0] + encode_basestring(delta.new_text).encode() + text_event[1]
+        return self.stream_chunks((delta,))
 
     def stream_chunks(self, deltas: Sequence[RequestDelta]) -> bytes:
         """SSE events for the deltas of one read (usually one engine step)."""
