@@ -90,11 +90,11 @@ def test_send_now_raises_and_a_resumed_send_fails_with_the_senders_error():
     asyncio.run(main())
 
 
-def _writer(transport: Transport):
-    loop = asyncio.get_running_loop()
+def _writer(transport: Transport, render=render, before_attach=lambda stream: None):
     owner = Owner()
-    stream = RequestStream("r", owner, loop)
-    writer = SSEWriter(transport.send, render, render_error, stream, loop.create_future())
+    stream = RequestStream("r", owner, asyncio.get_running_loop())
+    before_attach(stream)
+    writer = SSEWriter(transport.send, render, render_error, stream)
     stream.attach(writer.on_delta, writer.on_error)
     return owner, stream, writer
 
@@ -146,14 +146,13 @@ def test_a_failing_send_aborts_the_request_and_ends_the_writer():
 
 
 def test_deltas_and_errors_from_before_attach_are_delivered_on_attach():
-    async def main():
-        transport = Transport()
-        loop = asyncio.get_running_loop()
-        stream = RequestStream("r", Owner(), loop)
+    def before_attach(stream):
         stream._push(delta("a"))
         stream._fail(RuntimeError("engine died"))
-        writer = SSEWriter(transport.send, render, render_error, stream, loop.create_future())
-        stream.attach(writer.on_delta, writer.on_error)
+
+    async def main():
+        transport = Transport()
+        _, _, writer = _writer(transport, before_attach=before_attach)
         assert transport.bodies() == [b"a", b"error:engine died"]
         assert writer.done.done()
 
@@ -161,16 +160,12 @@ def test_deltas_and_errors_from_before_attach_are_delivered_on_attach():
 
 
 def test_a_render_error_ends_the_stream_with_the_error_bytes():
+    def broken(d):
+        raise ValueError("bad delta")
+
     async def main():
         transport = Transport()
-        loop = asyncio.get_running_loop()
-        stream = RequestStream("r", Owner(), loop)
-
-        def broken(d):
-            raise ValueError("bad delta")
-
-        writer = SSEWriter(transport.send, broken, render_error, stream, loop.create_future())
-        stream.attach(writer.on_delta, writer.on_error)
+        _, stream, _ = _writer(transport, render=broken)
         stream._push(delta("a"))
         assert transport.messages[-1] == {"type": "http.response.body", "body": b"error:bad delta", "more_body": False}
 

@@ -183,37 +183,31 @@ class LLMEngine:
                 deltas: list[RequestDelta]) -> "InFlightStep | None":
         """Forward and sample `batch` on the device; advance every request as if its new
         token had arrived (a PLACEHOLDER until the results are processed)."""
+        reqs = batch.requests
         try:
             logits, sample_mask = self.runner.run(batch, self.block_manager,
                                                   in_flight.sample.token_ids if in_flight else None)
-            sampling = batch.requests if sample_mask.all() else [r for r, m in zip(batch.requests, sample_mask.tolist()) if m]
+            if sample_mask.all():  # decode steps: every request samples
+                sampling, chunks = reqs, []
+            else:
+                mask = sample_mask.tolist()
+                sampling = [r for r, m in zip(reqs, mask) if m]
+                chunks = [r for r, m in zip(reqs, mask) if not m]
             sample = self.sampler.launch(logits, sampling, all_plain_greedy=self._num_not_plain_greedy == 0)
         except Exception as exc:  # the model or sampler failed: end this step's requests, keep the engine
             logger.exception("engine step failed; finishing its %d requests with an error", len(batch))
             self.last_error = exc
-            deltas += self._fail(batch.requests)
+            deltas += self._fail(reqs)
             return None
-        reqs = batch.requests
+        for req, num_new in zip(reqs, batch.num_new_tokens):
+            req.num_computed_tokens += num_new
         output_index = []
-        if len(sampling) == len(reqs):  # every request samples (decode steps): one pass
-            chunks = []
-            for row, (req, num_new) in enumerate(zip(reqs, batch.num_new_tokens)):
-                req.num_computed_tokens += num_new
-                req.sample_row = row
-                req.num_pending += 1
-                output_index.append(len(req.output_token_ids))
-                req.token_ids.append(PLACEHOLDER)
-                req.output_token_ids.append(PLACEHOLDER)
-        else:
-            chunks = [r for r, m in zip(reqs, sample_mask.tolist()) if not m]
-            for req, num_new in zip(reqs, batch.num_new_tokens):
-                req.num_computed_tokens += num_new
-            for row, req in enumerate(sampling):
-                req.sample_row = row
-                req.num_pending += 1
-                output_index.append(len(req.output_token_ids))
-                req.token_ids.append(PLACEHOLDER)
-                req.output_token_ids.append(PLACEHOLDER)
+        for row, req in enumerate(sampling):
+            req.sample_row = row
+            req.num_pending += 1
+            output_index.append(len(req.output_token_ids))
+            req.token_ids.append(PLACEHOLDER)
+            req.output_token_ids.append(PLACEHOLDER)
         return InFlightStep(chunks, sampling, output_index, sample)
 
     def _process(self, step: "InFlightStep") -> list[RequestDelta]:

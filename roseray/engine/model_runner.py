@@ -287,7 +287,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput, block_manager: BlockManager,
             in_flight_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, np.ndarray]:
-        """Forward one step. Returns logits [num_sampling, vocab] (float32) for the
+        """Forward one step. Returns logits [num_sampling, vocab] (the model's dtype) for the
         requests whose scheduled tokens reach their end, and the boolean mask of those.
         `in_flight_tokens`: the device token ids sampled by the step still in flight."""
         graph_bucket = self._graph_bucket(batch)

@@ -37,7 +37,7 @@ from roseray.server.openapi import (PROBE_RESPONSES, READ_RESPONSES, ChatComplet
                                     completion_responses, install_openapi)
 from roseray.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from roseray.server.responses import SSE_DONE, ResponseBuilder, TokenText, sse_event
-from roseray.server.sse_writer import EngineSSEResponse
+from roseray.server.sse_writer import EngineSSEResponse, until_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -270,11 +270,8 @@ class OpenAIServer:
 
 
 async def _close_on_disconnect(http_request: Request, stream: RequestStream) -> None:
-    while True:
-        message = await http_request.receive()
-        if message["type"] == "http.disconnect":
-            stream.close()
-            return
+    await until_disconnect(http_request.receive)
+    stream.close()
 
 
 def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_len: int | None = None,

@@ -106,11 +106,14 @@ class ResponseBuilder:
             body["usage"] = usage_body
         return body
 
+    def _template_event(self, text: str) -> bytes:
+        prefix, suffix = self._text_event
+        return prefix + encode_basestring(text).encode() + suffix
+
     def delta_event(self, delta: RequestDelta) -> bytes:
         """The SSE bytes of one delta that does not end the stream (the per-step hot path)."""
-        text_event = self._text_event
-        if text_event is not None and delta.new_text and self.sent_role:
-            return text_event[0] + encode_basestring(delta.new_text).encode() + text_event[1]
+        if self._text_event is not None and delta.new_text and self.sent_role:
+            return self._template_event(delta.new_text)
         return self.stream_chunks((delta,))
 
     def stream_chunks(self, deltas: Sequence[RequestDelta]) -> bytes:
@@ -121,10 +124,10 @@ class ResponseBuilder:
             events.append(sse_event(self._chunk(
                 [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
                 None, self.include_usage)))
-        text_event = self._text_event
+        templated = self._text_event is not None
         for delta in deltas:
-            if text_event is not None and delta.new_text and not delta.finished:
-                events.append(text_event[0] + encode_basestring(delta.new_text).encode() + text_event[1])
+            if templated and delta.new_text and not delta.finished:
+                events.append(self._template_event(delta.new_text))
                 continue
             if not delta.new_token_ids and not delta.new_text and not delta.finished:
                 continue

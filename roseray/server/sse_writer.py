@@ -62,13 +62,12 @@ class SSEWriter:
 
     __slots__ = ("_send", "_render", "_render_error", "_stream", "done", "_pending", "_in_flight", "_ending")
 
-    def __init__(self, send: Send, render: RenderDelta, render_error: RenderError, stream: RequestStream,
-                 done: asyncio.Future) -> None:
+    def __init__(self, send: Send, render: RenderDelta, render_error: RenderError, stream: RequestStream) -> None:
         self._send = send
         self._render = render
         self._render_error = render_error
         self._stream = stream
-        self.done = done
+        self.done = asyncio.get_running_loop().create_future()
         self._pending: list[bytes] = []  # bytes that came while a send was suspended
         self._in_flight: asyncio.Future | None = None
         self._ending = False  # the last bytes are written or pending
@@ -101,8 +100,8 @@ class SSEWriter:
     def _send_body(self, body: bytes) -> None:
         try:
             in_flight = send_now(self._send, {"type": "http.response.body", "body": body, "more_body": not self._ending})
-        except Exception as error:  # noqa: BLE001 - the connection is gone
-            self._failed(error)
+        except Exception:  # noqa: BLE001 - the connection is gone
+            self.abandon()
             return
         if in_flight is None:
             if self._ending:
@@ -114,7 +113,7 @@ class SSEWriter:
     def _sent(self, in_flight: asyncio.Future) -> None:
         self._in_flight = None
         if in_flight.cancelled() or in_flight.exception() is not None:
-            self._failed(in_flight.exception() if not in_flight.cancelled() else None)
+            self.abandon()
             return
         if self._pending:
             body, self._pending = b"".join(self._pending), []
@@ -124,14 +123,10 @@ class SSEWriter:
 
     def abandon(self) -> None:
         """The client is gone: write nothing more and abort the request."""
-        self._failed(None)
-
-    def _failed(self, error: BaseException | None) -> None:
         self._ending = True
         self._pending = []
         self._stream.close()  # aborts the request if it still runs
-        if not self.done.done():
-            self.done.set_result(error)
+        self._finish()
 
     def _finish(self) -> None:
         if not self.done.done():
@@ -161,13 +156,12 @@ class EngineSSEResponse(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        loop = asyncio.get_running_loop()
-        writer = SSEWriter(send, self.render, self.render_error, self.stream, loop.create_future())
+        writer = SSEWriter(send, self.render, self.render_error, self.stream)
         disconnect = None
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             self.stream.attach(writer.on_delta, writer.on_error)
-            disconnect = asyncio.ensure_future(_until_disconnect(receive))
+            disconnect = asyncio.ensure_future(until_disconnect(receive))
             await asyncio.wait((writer.done, disconnect), return_when=asyncio.FIRST_COMPLETED)
             if not writer.done.done():  # the client went away first
                 writer.abandon()
@@ -178,6 +172,7 @@ class EngineSSEResponse(Response):
             self.stream.close()
 
 
-async def _until_disconnect(receive: Receive) -> None:
+async def until_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone away (or the response is complete)."""
     while (await receive())["type"] != "http.disconnect":
         pass
