@@ -1,0 +1,95 @@
+"""Server CPU per streamed token, on CPU: the real FastAPI app and AsyncLLMEngine over a fake
+engine that makes one token per running request every STEP_S seconds (its own cost ~nil), 128
+streaming clients from scripts/http_vs_inprocess.py. Measures the HTTP side alone.
+
+    python scripts/server_cpu_per_token.py [STEP_S=0.004] [--profile]
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import threading
+import time
+
+import uvicorn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from http_vs_inprocess import _clients  # noqa: E402
+
+from roseray.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from roseray.engine.engine import EngineStats  # noqa: E402
+from roseray.engine.request import RequestDelta, RequestSummary  # noqa: E402
+from roseray.server.api import create_app  # noqa: E402
+from roseray.tokenizer import ByteTokenizer  # noqa: E402
+
+PORT = 18124
+
+
+class FakeEngine:
+    """LLMEngine's step contract; every running request gets the token 300 ("a") per step."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.reqs: dict[str, list] = {}
+        self.tokenizer = ByteTokenizer(50257, "fake")
+        self.last_error = None
+
+    def add_request(self, rid, prompt, params, arrival_time=None):
+        self.reqs[rid] = [len(prompt), 0, params.max_tokens, arrival_time]
+
+    def abort_request(self, rid):
+        self.reqs.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.reqs)
+
+    def get_stats(self):
+        return EngineStats(len(self.reqs), 0, 1000, 1000, 0.0, 0, 0, 0, 0, 0)
+
+    def step(self):
+        time.sleep(self.step_s)
+        out = []
+        for rid, r in list(self.reqs.items()):
+            r[1] += 1
+            done = r[1] >= r[2]
+            out.append(RequestDelta(rid, [300], "a", done, "length" if done else None, None, r[0], r[1],
+                                    RequestSummary(r[3]) if done else None))
+            if done:
+                del self.reqs[rid]
+        return out
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if a != "--profile"]
+    fake = FakeEngine(float(args[0]) if args else 0.004)
+    engine = AsyncLLMEngine(fake, max_waiting_requests=1024, max_running=256)
+    app = create_app(engine, fake.tokenizer, model_name="random:gpt2", max_model_len=2048)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=PORT, log_level="warning"))
+
+    def client():
+        while not server.started:
+            time.sleep(0.1)
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        r = _clients(PORT, "random:gpt2", 128, 256, 1)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+        print(f"HTTP {r['throughput_tok_s']:,.0f} tok/s, server CPU {cpu / r['completion_tokens'] * 1e6:.1f} us/token "
+              f"(requests' set-up included), ITL p50 {r['itl_ms']['p50']:.2f} ms")
+        server.should_exit = True
+
+    threading.Thread(target=client, daemon=True).start()
+    if "--profile" in sys.argv:
+        import cProfile
+        import pstats
+        profile = cProfile.Profile()
+        profile.runcall(server.run)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(28)
+    else:
+        server.run()
+
+
+if __name__ == "__main__":
+    main()
