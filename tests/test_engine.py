@@ -217,8 +217,8 @@ def test_piecewise_token_buckets_and_cpu_runs_eagerly():
 
 @pytest.mark.parametrize("pad", [0, 3])
 def test_decode_step_inputs_match_a_per_request_reference(pad):
-    """ModelRunner.prepare's decode-only path (one token per request, CUDA-graph padding)
-    lays out ids, positions, slots, query starts, lengths and block tables exactly as the
+    """ModelRunner.prepare_decode (one token per request, CUDA-graph padding) lays out ids,
+    positions, slots, lengths, in-flight source rows and block tables exactly as the
     definitions say, for requests of different lengths crossing block boundaries."""
     engine = LLMEngine(EngineConfig(model="random:tiny", device="cpu", num_kv_blocks=64, block_size=4,
                                     max_num_seqs=8, async_scheduling=False))
@@ -229,17 +229,21 @@ def test_decode_step_inputs_match_a_per_request_reference(pad):
         engine.step()
     batch = engine.scheduler.schedule()
     assert batch.num_tokens == len(batch) == 5
-    step, _ = engine.runner.prepare(batch, engine.block_manager, pad_to=len(batch) + pad)
-    host, n, bs = engine.runner._host, len(batch), 4
-    o_ids, o_pos, o_slot, o_qsl, o_lens, o_tab = step.offsets
+    n, bs = len(batch), 4
+    batch.requests[2].token_ids[-1] = -1  # a placeholder: the step in flight samples it
+    batch.requests[2].sample_row = 6
+    used, cols, max_len = engine.runner.prepare_decode(batch, engine.block_manager, n + pad)
+    host, lay = engine.runner._host, engine.runner.decode_layout
     table = engine.block_manager.block_tables
+    assert max_len == max(r.num_computed_tokens for r in batch.requests) + 1 and cols == -(-max_len // bs)
     for i, req in enumerate(batch.requests):
         pos = req.num_computed_tokens
-        assert host[o_ids + i] == req.token_ids[pos] and host[o_pos + i] == pos
-        assert host[o_slot + i] == table[req.row, pos // bs] * bs + pos % bs
-        assert host[o_lens + i] == pos + 1
-        row = host[o_tab + i * step.num_block_cols: o_tab + (i + 1) * step.num_block_cols]
-        assert row.tolist() == table[req.row, : step.num_block_cols].tolist()
-    assert host[o_qsl: o_qsl + n + pad + 1].tolist() == list(range(n + pad + 1))
-    assert host[o_slot + n: o_slot + n + pad].tolist() == [-1] * pad and host[o_lens + n: o_lens + n + pad].tolist() == [0] * pad
-    assert step.sample_mask.all() and step.logits_indices.tolist() == list(range(n))
+        assert host[lay.ids + i] == req.token_ids[pos] and host[lay.pos + i] == pos
+        assert host[lay.slot + i] == table[req.row, pos // bs] * bs + pos % bs
+        assert host[lay.lens + i] == pos + 1
+        assert host[lay.src + i] == (6 if i == 2 else -1)
+        row = host[lay.tables + i * cols: lay.tables + (i + 1) * cols]
+        assert row.tolist() == table[req.row, :cols].tolist()
+    assert used == lay.tables + (n + pad) * cols
+    for start, value in ((lay.slot, -1), (lay.lens, 0), (lay.src, -1)):
+        assert host[start + n: start + n + pad].tolist() == [value] * pad

@@ -53,6 +53,29 @@ def test_triton_and_cuda_graphs_match_hf_fp32(model_path):
         torch.cuda.empty_cache()
 
 
+def test_greedy_rows_beside_sampled_rows_in_graphs_match_hf(model_path):
+    """Decode graphs take the tokens in flight from their own argmax, or from the sampler's
+    output when the step had sampled rows: greedy rows keep transformers' tokens either way."""
+    prompts = batch(12, seed=2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).cuda().eval()
+    hf.generation_config.eos_token_id = None
+    llm = LLM(str(model_path), device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=64,
+              gpu_memory_utilization=0.3)
+    params = [GREEDY if i % 2 == 0 else SamplingParams(temperature=1.0, seed=i, max_tokens=16, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.check_integrity()
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        if i % 2 == 0:
+            ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, min_new_tokens=16,
+                              do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+            assert o.outputs[0].token_ids == ref, i
+        else:
+            assert len(o.outputs[0].token_ids) == 16
+    del llm
+    torch.cuda.empty_cache()
+
+
 def test_bf16_graphs_equal_eager(model_path):
     prompts = batch(64, seed=1)
     outs = []

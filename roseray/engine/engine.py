@@ -185,15 +185,16 @@ class LLMEngine:
         token had arrived (a PLACEHOLDER until the results are processed)."""
         reqs = batch.requests
         try:
-            logits, sample_mask = self.runner.run(batch, self.block_manager,
-                                                  in_flight.sample.token_ids if in_flight else None)
+            logits, sample_mask, argmax = self.runner.run(batch, self.block_manager,
+                                                          in_flight.sample.token_ids if in_flight else None)
             if sample_mask.all():  # decode steps: every request samples
                 sampling, chunks = reqs, []
             else:
                 mask = sample_mask.tolist()
                 sampling = [r for r, m in zip(reqs, mask) if m]
                 chunks = [r for r, m in zip(reqs, mask) if not m]
-            sample = self.sampler.launch(logits, sampling, all_plain_greedy=self._num_not_plain_greedy == 0)
+            sample = self.sampler.launch(logits, sampling, all_plain_greedy=self._num_not_plain_greedy == 0,
+                                         argmax=argmax)
         except Exception as exc:  # the model or sampler failed: end this step's requests, keep the engine
             logger.exception("engine step failed; finishing its %d requests with an error", len(batch))
             self.last_error = exc

@@ -5,8 +5,16 @@ locations, sequence lengths, block tables) is computed vectorised on the host in
 int32 staging buffer, copied to the device once, and sliced into views. Every layer's
 KV append reuses the same `slot_mapping`.
 
-Decode-only steps on CUDA replay a CUDA graph captured for the next batch-size bucket
-(padding tokens carry slot -1 and sequence length 0).
+Decode-only steps (one token per request) take their own path with a fixed layout in the
+staging buffer (`DecodeLayout`): their forward also fills in the tokens the step in flight
+is sampling (from `decode_tokens`, where the previous decode step left its argmax, or a
+copy of the sampler's tokens), computes the logits of every row and their argmax. On CUDA
+that whole forward is one CUDA graph per batch-size bucket (padding rows carry slot -1 and
+sequence length 0), so a greedy decode step launches an H2D copy, a block-table copy and
+a graph replay, nothing more.
+
+Host staging is double-buffered on CUDA: with async scheduling the host prepares step N+1
+while step N's host-to-device copy may still be queued behind step N-1 on the stream.
 """
 
 from __future__ import annotations
@@ -55,6 +63,18 @@ def _fill_in_flight(ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, tok
     ids.index_copy_(0, dst.long(), tokens.index_select(0, src.long()).to(ids.dtype))
 
 
+class DecodeLayout:
+    """Where a decode step's inputs sit in the staging buffer: int32 regions of `stride`
+    entries each (ids, positions, slots, lengths, in-flight source rows), then the block
+    tables, [batch, num_block_cols]. Fixed, so captured graphs read them in place."""
+
+    __slots__ = ("stride", "ids", "pos", "slot", "lens", "src", "tables")
+
+    def __init__(self, max_num_seqs: int) -> None:
+        self.stride = -(-max_num_seqs // ALIGN) * ALIGN
+        self.ids, self.pos, self.slot, self.lens, self.src, self.tables = (i * self.stride for i in range(6))
+
+
 class StepInputs:
     """Host-side arrays of one step (views into the staging buffer) plus bookkeeping."""
 
@@ -79,14 +99,24 @@ class ModelRunner:
         self.backend = make_attention_backend(config.attention_backend, device)
         set_attention_backend(self.backend)
 
-        # One int32 staging buffer for everything a step sends to the device.
-        capacity = (3 * self.max_num_tokens + 5 * self.max_num_seqs + 1 + self.max_num_seqs * self.max_blocks_per_seq
-                    + 8 * ALIGN)
+        # One int32 staging buffer for everything a step sends to the device (two on CUDA,
+        # used in turn: see the module docstring).
+        self.decode_layout = DecodeLayout(self.max_num_seqs)
+        capacity = max(3 * self.max_num_tokens + 5 * self.max_num_seqs + 1 + self.max_num_seqs * self.max_blocks_per_seq
+                       + 8 * ALIGN, self.decode_layout.tables + self.max_num_seqs * self.max_blocks_per_seq)
         pin = device.type == "cuda"
-        self._host_buffer = torch.zeros(capacity, dtype=torch.int32, pin_memory=pin)
-        self._host = self._host_buffer.numpy()
+        self._host_buffers = [torch.zeros(capacity, dtype=torch.int32, pin_memory=pin) for _ in range(1 + pin)]
+        self._host_arrays = [b.numpy() for b in self._host_buffers]
+        self._turn = 0
+        self._host_buffer, self._host = self._host_buffers[0], self._host_arrays[0]
         self._device_buffer = self._host_buffer if device.type == "cpu" else torch.zeros_like(self._host_buffer, device=device)
         self._arange = np.arange(self.max_num_tokens + 1, dtype=np.int32)
+        self._all_rows = np.ones(self.max_num_seqs, dtype=bool)
+        # The argmax of the latest decode step's rows; the next decode step reads the tokens
+        # still in flight from here (`_decode_forward`).
+        self.decode_tokens = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=device)
+        self._decode_qsl = torch.arange(self.max_num_seqs + 1, dtype=torch.int32, device=device)
+        self._graph_logits: dict[int, torch.Tensor] = {}  # each decode graph's logits output
 
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
@@ -195,75 +225,62 @@ class ModelRunner:
         return kv_cache
 
     # ---- step ----------------------------------------------------------------------------
-    def prepare(self, batch: SchedulerOutput, block_manager: BlockManager, pad_to: int = 0) -> tuple[StepInputs, int]:
-        """Fill the staging buffer for `batch`; returns the layout and how much of it is used.
-        With `pad_to`, a decode batch is padded to that many sequences (CUDA graphs)."""
+    def _next_staging(self) -> np.ndarray:
+        """The host staging array for the next step (alternating on CUDA)."""
+        self._turn ^= len(self._host_buffers) - 1
+        self._host_buffer, self._host = self._host_buffers[self._turn], self._host_arrays[self._turn]
+        if self.device.type == "cpu":
+            self._device_buffer = self._host_buffer
+        return self._host
+
+    def prepare(self, batch: SchedulerOutput, block_manager: BlockManager) -> tuple[StepInputs, int]:
+        """Fill the staging buffer for a step with prefill chunks (any mix of chunks and
+        decodes); returns the layout and how much of the buffer is used."""
+        host = self._next_staging()
         reqs, num_new = batch.requests, batch.num_new_tokens
         num_seqs = len(reqs)
-        padded_seqs = max(num_seqs, pad_to)
         query_lens = np.fromiter(num_new, dtype=np.int32, count=num_seqs)
         starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int32, count=num_seqs)
         rows = np.fromiter((r.row for r in reqs), dtype=np.int32, count=num_seqs)
         num_tokens = int(query_lens.sum())
-        padded_tokens = num_tokens + (padded_seqs - num_seqs)
         seq_lens = starts + query_lens
         num_block_cols = int((seq_lens.max() + self.block_size - 1) // self.block_size)
 
-        sizes = [padded_tokens, padded_tokens, padded_tokens, padded_seqs + 1, padded_seqs, padded_seqs * num_block_cols]
+        sizes = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * num_block_cols]
         views, offsets, offset = [], [], 0
         for size in sizes:
-            views.append(self._host[offset: offset + size])
+            views.append(host[offset: offset + size])
             offsets.append(offset)
             offset += -(-size // ALIGN) * ALIGN  # every region starts 64-byte aligned (one Triton variant)
         ids_v, pos_v, slot_v, qsl_v, lens_v, tables_v = views
 
         tables = block_manager.block_tables[rows, :num_block_cols]  # [num_seqs, num_block_cols]
-        decode_only = num_tokens == num_seqs  # one token per request: token i is sequence i's
-        if decode_only:
-            qsl_v[: num_seqs + 1] = self._arange[: num_seqs + 1]
-            pos_v[:num_tokens] = starts
-            slot_v[:num_tokens] = (tables[self._arange[:num_seqs], starts // self.block_size] * self.block_size
-                                   + starts % self.block_size)
-            last_ids = np.array([r.token_ids[-1] for r in reqs], dtype=np.int32)
-            ids_v[:num_tokens] = last_ids
-        else:
-            # positions: each sequence's new tokens continue from its computed prefix
-            qsl_v[0] = 0
-            np.cumsum(query_lens, out=qsl_v[1: num_seqs + 1])
-            token_seq = np.repeat(np.arange(num_seqs, dtype=np.int32), query_lens)  # [num_tokens]
-            positions = self._arange[:num_tokens] - (qsl_v[:num_seqs] - starts)[token_seq]
-            pos_v[:num_tokens] = positions
-            slot_v[:num_tokens] = (tables[token_seq, positions // self.block_size] * self.block_size
-                                   + positions % self.block_size)
-            ids_v[:num_tokens] = [t for r, s, n in zip(reqs, starts.tolist(), num_new) for t in r.token_ids[s: s + n]]
-        lens_v[:num_seqs] = seq_lens
-        tables_v.reshape(padded_seqs, num_block_cols)[:num_seqs] = tables
-        if padded_seqs > num_seqs:  # CUDA-graph padding: slot -1, length 0
-            ids_v[num_tokens:] = 0
-            pos_v[num_tokens:] = 0
-            slot_v[num_tokens:] = -1
-            qsl_v[num_seqs + 1:] = num_tokens + np.arange(1, padded_seqs - num_seqs + 1, dtype=np.int32)
-            lens_v[num_seqs:] = 0
-            tables_v[num_seqs * num_block_cols:] = 0
+        # positions: each sequence's new tokens continue from its computed prefix
+        qsl_v[0] = 0
+        np.cumsum(query_lens, out=qsl_v[1: num_seqs + 1])
+        token_seq = np.repeat(np.arange(num_seqs, dtype=np.int32), query_lens)  # [num_tokens]
+        positions = self._arange[:num_tokens] - (qsl_v[:num_seqs] - starts)[token_seq]
+        pos_v[:] = positions
+        slot_v[:] = tables[token_seq, positions // self.block_size] * self.block_size + positions % self.block_size
+        ids_v[:] = [t for r, s, n in zip(reqs, starts.tolist(), num_new) for t in r.token_ids[s: s + n]]
+        lens_v[:] = seq_lens
+        tables_v.reshape(num_seqs, num_block_cols)[:] = tables
 
         last = qsl_v[1: num_seqs + 1] - 1
         # Input tokens the step in flight is still sampling (placeholders): the device fills
         # them in from that step's sampled ids (row `sample_row`).
-        if decode_only:
-            pending = np.flatnonzero(last_ids < 0).tolist()
-        else:
-            pending = [i for i, r in enumerate(reqs) if r.token_ids[-1] < 0]
+        pending = [i for i, r in enumerate(reqs) if r.token_ids[-1] < 0]
         if pending:
-            self._host[offset: offset + len(pending)] = last[pending]
-            self._host[offset + len(pending): offset + 2 * len(pending)] = [reqs[i].sample_row for i in pending]
+            host[offset: offset + len(pending)] = last[pending]
+            host[offset + len(pending): offset + 2 * len(pending)] = [reqs[i].sample_row for i in pending]
         pending_offset, offset = offset, offset + 2 * len(pending)
         # Rows whose chunk reaches the request's end: their last hidden state gives logits.
         sample_mask = (seq_lens == np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int32, count=num_seqs))
         logits_indices = last[sample_mask]
-        self._host[offset: offset + len(logits_indices)] = logits_indices
+        host[offset: offset + len(logits_indices)] = logits_indices
         logits_offset, offset = offset, offset + len(logits_indices)
         step = StepInputs()
-        step.num_tokens, step.num_seqs = padded_tokens, padded_seqs
+        step.num_tokens, step.num_seqs = num_tokens, num_seqs
         step.max_query_len = int(query_lens.max())
         step.max_seq_len = int(seq_lens.max())
         step.num_block_cols = num_block_cols
@@ -274,51 +291,121 @@ class ModelRunner:
         step.offsets = offsets
         return step, offset
 
+    def prepare_decode(self, batch: SchedulerOutput, block_manager: BlockManager,
+                       num_rows: int) -> tuple[int, int, int]:
+        """Fill the staging buffer's DecodeLayout for a decode-only batch padded to `num_rows`
+        (slot -1, length 0, no in-flight source); returns (entries used, block-table columns,
+        longest sequence)."""
+        host, lay = self._next_staging(), self.decode_layout
+        reqs = batch.requests
+        num_seqs = len(reqs)
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int32, count=num_seqs)
+        rows = np.fromiter((r.row for r in reqs), dtype=np.int32, count=num_seqs)
+        last_ids = np.fromiter((r.token_ids[-1] for r in reqs), dtype=np.int32, count=num_seqs)
+        max_seq_len = int(starts.max()) + 1
+        num_block_cols = (max_seq_len + self.block_size - 1) // self.block_size
+        tables = block_manager.block_tables[rows, :num_block_cols]
+        block_size = self.block_size
+        host[lay.ids: lay.ids + num_seqs] = last_ids
+        host[lay.pos: lay.pos + num_seqs] = starts
+        host[lay.slot: lay.slot + num_seqs] = tables[self._arange[:num_seqs], starts // block_size] * block_size \
+            + starts % block_size
+        host[lay.lens: lay.lens + num_seqs] = starts + 1
+        src = host[lay.src: lay.src + num_seqs]
+        src[:] = -1
+        pending = np.flatnonzero(last_ids < 0).tolist()  # placeholders: the step in flight samples them
+        if pending:
+            src[pending] = [reqs[i].sample_row for i in pending]
+        end = lay.tables + num_rows * num_block_cols
+        host[lay.tables: lay.tables + num_seqs * num_block_cols] = tables.reshape(-1)
+        if num_rows > num_seqs:  # padding rows
+            for start, value in ((lay.ids, 0), (lay.pos, 0), (lay.slot, -1), (lay.lens, 0), (lay.src, -1)):
+                host[start + num_seqs: start + num_rows] = value
+            host[lay.tables + num_seqs * num_block_cols: end] = 0
+        return end, num_block_cols, max_seq_len
+
     def _to_device(self, step: StepInputs, used: int) -> tuple[torch.Tensor, ...]:
         """One host-to-device copy of the staging buffer's used prefix, then views."""
-        if self.device.type == "cuda":
-            self._device_buffer[:used].copy_(self._host_buffer[:used], non_blocking=True)
+        self._copy_staging(used)
         buf, t, s = self._device_buffer, step.num_tokens, step.num_seqs
         o_ids, o_pos, o_slot, o_qsl, o_lens, o_tab = step.offsets
         tables = buf[o_tab: o_tab + s * step.num_block_cols].view(s, step.num_block_cols)
         return (buf[o_ids: o_ids + t], buf[o_pos: o_pos + t], buf[o_slot: o_slot + t], buf[o_qsl: o_qsl + s + 1],
                 buf[o_lens: o_lens + s], tables)
 
+    def _copy_staging(self, used: int) -> None:
+        if self.device.type == "cuda":
+            self._device_buffer[:used].copy_(self._host_buffer[:used], non_blocking=True)
+
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput, block_manager: BlockManager,
-            in_flight_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, np.ndarray]:
+    def run(self, batch: SchedulerOutput, block_manager: BlockManager, in_flight_tokens: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor | None]:
         """Forward one step. Returns logits [num_sampling, vocab] (the model's dtype) for the
-        requests whose scheduled tokens reach their end, and the boolean mask of those.
+        requests whose scheduled tokens reach their end, the boolean mask of those, and their
+        argmax when the step computed it (decode steps), else None.
         `in_flight_tokens`: the device token ids sampled by the step still in flight."""
-        graph_bucket = self._graph_bucket(batch)
-        piece_bucket = 0 if graph_bucket or self.piecewise is None else self.piecewise.bucket_for(batch.num_tokens)
-        step, used = self.prepare(batch, block_manager, pad_to=graph_bucket)
+        if batch.num_tokens == len(batch):
+            return self._run_decode(batch, block_manager, in_flight_tokens)
+        piece_bucket = 0 if self.piecewise is None else self.piecewise.bucket_for(batch.num_tokens)
+        step, used = self.prepare(batch, block_manager)
         ids, pos, slot, qsl, lens, tables = self._to_device(step, used)
         if step.num_pending:
             n, start = step.num_pending, step.pending_offset
             buf = self._device_buffer
             _fill_in_flight(ids, buf[start: start + n], buf[start + n: start + 2 * n], in_flight_tokens)
-        if graph_bucket:
-            hidden = self._replay_graph(graph_bucket, ids, pos, slot, lens, tables)
+        meta = AttentionMetadata(slot, qsl, lens, tables, step.max_query_len, step.max_seq_len,
+                                 step.num_seqs, self.block_size)
+        if piece_bucket:
+            hidden = self.piecewise.run(piece_bucket, ids, pos, slot, meta)
         else:
-            meta = AttentionMetadata(slot, qsl, lens, tables, step.max_query_len, step.max_seq_len,
-                                     step.num_seqs, self.block_size)
-            if piece_bucket:
-                hidden = self.piecewise.run(piece_bucket, ids, pos, slot, meta)
-            else:
-                with attention_metadata(meta):
-                    hidden = self.model(ids, pos)
+            with attention_metadata(meta):
+                hidden = self.model(ids, pos)
         start = step.logits_offset
         indices = self._device_buffer[start: start + len(step.logits_indices)]  # part of the one staging copy
         logits = self.model.compute_logits(hidden[indices.long()])
-        return logits, step.sample_mask
+        return logits, step.sample_mask, None
+
+    def _run_decode(self, batch: SchedulerOutput, block_manager: BlockManager,
+                    in_flight_tokens: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        num_seqs = len(batch)
+        bucket = self._graph_bucket(num_seqs)
+        num_rows = bucket or num_seqs
+        used, num_block_cols, max_seq_len = self.prepare_decode(batch, block_manager, num_rows)
+        self._copy_staging(used)
+        if in_flight_tokens is not None and in_flight_tokens.data_ptr() != self.decode_tokens.data_ptr():
+            self.decode_tokens[: in_flight_tokens.shape[0]].copy_(in_flight_tokens)  # sampled by another path
+        start = self.decode_layout.tables
+        tables = self._device_buffer[start: start + num_rows * num_block_cols].view(num_rows, num_block_cols)
+        if bucket:
+            self._g_tables[:bucket, :num_block_cols].copy_(tables)
+            self.graphs[bucket].replay()
+            logits = self._graph_logits[bucket]
+        else:
+            logits = self._decode_forward(num_rows, tables, max_seq_len)
+        return logits[:num_seqs], self._all_rows[:num_seqs], self.decode_tokens[:num_seqs]
+
+    def _decode_forward(self, num_rows: int, tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """The forward of a decode step from the DecodeLayout (what a decode graph holds): fill
+        in the in-flight tokens, run the model, logits of every row, their argmax into
+        `decode_tokens`. Returns the logits."""
+        buf, lay = self._device_buffer, self.decode_layout
+        ids, pos, slot, lens, src = (buf[o: o + num_rows] for o in (lay.ids, lay.pos, lay.slot, lay.lens, lay.src))
+        in_flight = self.decode_tokens.index_select(0, src.clamp(min=0).long()).to(ids.dtype)
+        ids = torch.where(src >= 0, in_flight, ids)
+        meta = AttentionMetadata(slot, self._decode_qsl[: num_rows + 1], lens, tables, 1, max_seq_len, num_rows,
+                                 self.block_size)
+        with attention_metadata(meta):
+            hidden = self.model(ids, pos)
+        logits = self.model.compute_logits(hidden)
+        self.decode_tokens[:num_rows] = logits.argmax(dim=-1)
+        return logits
 
     # ---- CUDA graphs ---------------------------------------------------------------------
-    def _graph_bucket(self, batch: SchedulerOutput) -> int:
-        if not self.graphs or batch.num_tokens != len(batch):
+    def _graph_bucket(self, num_seqs: int) -> int:
+        if not self.graphs:
             return 0
         for bucket in self._buckets:
-            if bucket >= len(batch):
+            if bucket >= num_seqs:
                 return bucket
         return 0
 
@@ -329,41 +416,25 @@ class ModelRunner:
         started = time.perf_counter()
         max_batch = min(self.max_num_seqs, self.config.cuda_graph_max_batch_size)
         self._buckets = cuda_graph_buckets(max_batch)
-        n, d = max_batch, self.device
-        self._g_ids = torch.zeros(n, dtype=torch.int32, device=d)
-        self._g_pos = torch.zeros(n, dtype=torch.int32, device=d)
-        self._g_slot = torch.full((n,), -1, dtype=torch.int32, device=d)
-        self._g_qsl = torch.arange(n + 1, dtype=torch.int32, device=d)
-        self._g_lens = torch.zeros(n, dtype=torch.int32, device=d)
-        self._g_tables = torch.zeros((n, self.max_blocks_per_seq), dtype=torch.int32, device=d)
-        self._g_hidden = torch.zeros((n, self.model_config.hidden_size), dtype=self.dtype, device=d)
+        lay, buf = self.decode_layout, self._device_buffer
+        for start, value in ((lay.ids, 0), (lay.pos, 0), (lay.slot, -1), (lay.lens, 0), (lay.src, -1)):
+            buf[start: start + max_batch] = value  # the capture's own forwards write nothing to the cache
+        self._g_tables = torch.zeros((max_batch, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
         pool = None
         for bucket in reversed(self._buckets):  # largest first, so later graphs reuse its pool
-            meta = AttentionMetadata(self._g_slot[:bucket], self._g_qsl[:bucket + 1], self._g_lens[:bucket],
-                                     self._g_tables[:bucket], 1, self.max_model_len, bucket, self.block_size)
             graph = torch.cuda.CUDAGraph()
-            with attention_metadata(meta):
-                self._g_hidden[:bucket] = self.model(self._g_ids[:bucket], self._g_pos[:bucket])  # warm-up
-                torch.cuda.synchronize(d)
-                with torch.cuda.graph(graph, pool=pool):
-                    self._g_hidden[:bucket] = self.model(self._g_ids[:bucket], self._g_pos[:bucket])
+            self._decode_forward(bucket, self._g_tables[:bucket], self.max_model_len)  # warm-up
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.graph(graph, pool=pool):
+                self._graph_logits[bucket] = self._decode_forward(bucket, self._g_tables[:bucket], self.max_model_len)
             pool = graph.pool() if pool is None else pool
             self.graphs[bucket] = graph
-        torch.cuda.synchronize(d)
+        torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs for decode batch sizes up to %d in %.1f s",
                     len(self.graphs), max_batch, time.perf_counter() - started)
         max_tokens = min(self.max_num_tokens, self.config.cuda_graph_max_tokens)
         if max_tokens > 0:
             mc = self.model_config
             self.piecewise = PiecewiseGraphs(self.model, self.backend, max_tokens, self.block_size,
-                                             mc.num_attention_heads, mc.head_dim, self.dtype, d)
+                                             mc.num_attention_heads, mc.head_dim, self.dtype, self.device)
             self.piecewise.capture()
-
-    def _replay_graph(self, bucket, ids, pos, slot, lens, tables) -> torch.Tensor:
-        self._g_ids[:bucket].copy_(ids)
-        self._g_pos[:bucket].copy_(pos)
-        self._g_slot[:bucket].copy_(slot)
-        self._g_lens[:bucket].copy_(lens)
-        self._g_tables[:bucket, : tables.shape[1]].copy_(tables)
-        self.graphs[bucket].replay()
-        return self._g_hidden[:bucket]

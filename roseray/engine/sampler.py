@@ -128,18 +128,21 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.launch(logits, requests).result()
 
-    def launch(self, logits: torch.Tensor, requests: list[Request], all_plain_greedy: bool = False) -> "PendingSample":
+    def launch(self, logits: torch.Tensor, requests: list[Request], all_plain_greedy: bool = False,
+               argmax: torch.Tensor | None = None) -> "PendingSample":
         """Sample on the device and start the copy of the results to the host; nothing
         waits for the GPU until `PendingSample.result()`. `all_plain_greedy`: the caller
-        knows every request wants the argmax alone (skips gathering per-row parameters)."""
+        knows every request wants the argmax alone (skips gathering per-row parameters).
+        `argmax`: the logits' argmax when the caller has it already (a decode step's forward
+        computes it), int64 on the logits' device."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [len(requests)={len(requests)}, vocab], got {tuple(logits.shape)}")
         if all_plain_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = logits.argmax(dim=-1) if argmax is None else argmax
             return PendingSample(token_ids, token_ids, None, None)
         params = BatchParams.from_requests(requests, logits.shape[1])
         if params.is_plain_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = logits.argmax(dim=-1) if argmax is None else argmax
             return PendingSample(token_ids, token_ids, None, params)
         if self._uses_fused(logits) and any(params.plain):
             token_ids, raw_logprobs = self._sample_fused(logits, requests, params)
@@ -387,8 +390,8 @@ class PendingSample:
             self._host = packed.to("cpu", non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
-        else:
-            self._host, self._ready = packed, None
+        else:  # a copy: the tokens may be a view of a buffer the next step overwrites (decode_tokens)
+            self._host, self._ready = packed.clone(), None
 
     def result(self) -> SamplerOutput:
         if self._ready is not None:
