@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import json
 import platform
 import time
@@ -16,6 +18,23 @@ def percentiles(values, qs=(50, 95, 99)) -> dict[str, float]:
     if arr.size == 0:
         return {f"p{q}": float("nan") for q in qs}
     return {f"p{q}": float(np.percentile(arr, q)) for q in qs}
+
+
+def resolve_loop(loop: str) -> str:
+    """"auto" -> "uvloop" when it is installed (as uvicorn's loop="auto" picks), else "asyncio"."""
+    if loop == "auto":
+        return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    return loop
+
+
+def run_async(coro, loop: str = "auto"):
+    """asyncio.run on the named event loop ("asyncio", "uvloop" or "auto")."""
+    if resolve_loop(loop) == "uvloop":
+        import uvloop  # optional: only when asked for or installed
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    return asyncio.run(coro)
 
 
 def device_name() -> str:

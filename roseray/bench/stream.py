@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from roseray.bench.common import percentiles, print_table, write_result
+from roseray.bench.common import percentiles, print_table, resolve_loop, run_async, write_result
 from roseray.bench.workloads import SEED_MODEL, seed_workload
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
@@ -97,21 +97,21 @@ async def _run(engine: AsyncLLMEngine, prompts, params, timeline: Timeline | Non
             **extra}
 
 
-def run_seed(model: str, num_requests: int, engine_args: dict, timeline: bool = False) -> dict:
+def run_seed(model: str, num_requests: int, engine_args: dict, timeline: bool = False, loop: str = "auto") -> dict:
     prompts, params = seed_workload(num_requests)
     config = EngineConfig(model=model, max_num_seqs=num_requests, enable_prefix_caching=False, **engine_args)
     engine = AsyncLLMEngine.from_engine_config(config)
     engine.start()
     try:
-        asyncio.run(_run(engine, prompts[:8], params[:8]))  # warm-up
+        run_async(_run(engine, prompts[:8], params[:8]), loop)  # warm-up
         engine._loop = None  # a new event loop for the measured run
-        result = asyncio.run(_run(engine, prompts, params, Timeline(engine.engine) if timeline else None))
+        result = run_async(_run(engine, prompts, params, Timeline(engine.engine) if timeline else None), loop)
     finally:
         engine.stop()
         if engine._thread is not None:
             engine._thread.join(10.0)
     return {"workload": "W-seed", "model": model, "num_requests": num_requests, "engine_args": engine_args,
-            "engine_process": config.resolve_engine_process(), **result}
+            "engine_process": config.resolve_engine_process(), "event_loop": resolve_loop(loop), **result}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,14 +131,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run transformers' continuous batching on the same workload (GPU)")
     parser.add_argument("--timeline", action="store_true",
                         help="also report when the adds reached the engine process and the first steps returned")
+    parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                        help="the event loop the streams are read on (auto: uvloop when installed, as uvicorn)")
     parser.add_argument("--out", default=None, help="write JSON here")
     args = parser.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     result = run_seed(args.model, args.num_requests, {"enforce_eager": args.enforce_eager, "device": args.device,
-                                                       "engine_process": args.engine_process}, args.timeline)
+                                                       "engine_process": args.engine_process}, args.timeline,
+                      args.loop)
     result["switch_interval_s"] = sys.getswitchinterval()
-    rows = [("engine loop", "own process" if result["engine_process"] else "thread of this process"),
+    rows = [("engine loop", ("own process" if result["engine_process"] else "thread of this process")
+             + f", streams read on {result['event_loop']}"),
             ("throughput", f"{result['throughput_tok_s']:,.0f} completion tok/s"),
             ("wall", f"{result['wall_s']:.3f} s")]
     for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
