@@ -1,5 +1,6 @@
-"""SSE streams written from the engine's hand-off (roseray.server.sse_writer): sends that
-finish on the spot, sends that suspend (a slow client), failing sends, disconnects."""
+"""SSE streams written from the engine's hand-off (roseray.server.sse_writer): one write per
+hand-off, sends that finish on the spot, sends that suspend (a slow client), failing sends,
+disconnects."""
 
 from __future__ import annotations
 
@@ -95,21 +96,54 @@ def _writer(transport: Transport, render=render, before_attach=lambda stream: No
     stream = RequestStream("r", owner, asyncio.get_running_loop())
     before_attach(stream)
     writer = SSEWriter(transport.send, render, render_error, stream)
-    stream.attach(writer.on_delta, writer.on_error)
+    stream.attach(writer.on_delta, writer.on_error, writer.flush)
     return owner, stream, writer
 
 
-def test_each_delta_is_one_write_made_inside_the_push():
+def hand_off(stream: RequestStream, *deltas: RequestDelta) -> None:
+    """What AsyncLLMEngine does with one hand-off's deltas of this stream."""
+    flush = [stream._push(d) for d in deltas]
+    assert flush.count(True) == (1 if stream._on_delta is not None else 0)  # one flush per hand-off, when attached
+    if any(flush):
+        stream._flush()
+
+
+def test_each_hand_off_is_one_write_made_at_its_end():
     async def main():
         transport = Transport()
         owner, stream, writer = _writer(transport)
         stream._push(delta("a"))
-        assert transport.bodies() == [b"a"]  # written before the push returned
-        stream._push(delta("b", finished=True))
+        assert transport.messages == []  # rendered, not written: more of the hand-off may follow
+        stream._flush()
+        assert transport.bodies() == [b"a"]  # written before the hand-off returned
+        hand_off(stream, delta("b", finished=True))
         assert transport.messages[-1] == {"type": "http.response.body", "body": b"b|end", "more_body": False}
         assert writer.done.done() and writer.done.result() is None
         stream.close()
         assert owner.aborted == []  # finished: nothing to abort
+
+    asyncio.run(main())
+
+
+def test_several_steps_in_one_hand_off_are_one_write_of_the_same_bytes():
+    steps = [delta("a"), delta("b"), delta(""), delta("c"), delta("d", finished=True)]
+
+    async def written(*hand_offs) -> list[dict]:
+        transport = Transport()
+        _, stream, writer = _writer(transport)
+        for deltas in hand_offs:
+            hand_off(stream, *deltas)
+        assert writer.done.done()
+        return transport.messages
+
+    async def main():
+        one_by_one = await written(*([d] for d in steps))
+        together = await written(steps[:2], steps[2:])
+        assert [m["body"] for m in together] == [b"ab", b"cd|end"]
+        assert b"".join(m["body"] for m in together) == b"".join(m["body"] for m in one_by_one) == b"abcd|end"
+        assert [m["more_body"] for m in together] == [True, False]
+        assert one_by_one[-1]["more_body"] is False and all(m["more_body"] for m in one_by_one[:-1])
+        assert len(one_by_one) == 4  # the empty delta costs no write
 
     asyncio.run(main())
 
@@ -119,9 +153,9 @@ def test_a_slow_client_gets_the_steps_that_came_meanwhile_in_one_write():
         transport = Transport()
         owner, stream, writer = _writer(transport)
         transport.gate = asyncio.Event()
-        stream._push(delta("a"))  # suspends
-        stream._push(delta("b"))
-        stream._push(delta("c", finished=True))
+        hand_off(stream, delta("a"))  # suspends
+        hand_off(stream, delta("b"))
+        hand_off(stream, delta("c", finished=True))
         assert transport.messages == [] and not writer.done.done()
         transport.gate.set()
         await asyncio.wait_for(writer.done, 5)
@@ -137,9 +171,9 @@ def test_a_failing_send_aborts_the_request_and_ends_the_writer():
         transport = Transport()
         owner, stream, writer = _writer(transport)
         transport.error = ConnectionResetError("gone")
-        stream._push(delta("a"))
+        hand_off(stream, delta("a"))
         assert owner.aborted == ["r"] and writer.done.done()
-        stream._push(delta("b"))  # a step already on its way: dropped, not written
+        hand_off(stream, delta("b"))  # a step already on its way: dropped, not written
         assert transport.messages == []
 
     asyncio.run(main())
@@ -166,7 +200,7 @@ def test_a_render_error_ends_the_stream_with_the_error_bytes():
     async def main():
         transport = Transport()
         _, stream, _ = _writer(transport, render=broken)
-        stream._push(delta("a"))
+        stream._push(delta("a"))  # the error event is written at once, not at the flush
         assert transport.messages[-1] == {"type": "http.response.body", "body": b"error:bad delta", "more_body": False}
 
     asyncio.run(main())
@@ -187,7 +221,7 @@ def test_the_response_sends_headers_then_the_stream_and_aborts_on_disconnect():
         response = EngineSSEResponse(stream, render, render_error, headers={"Cache-Control": "no-cache"})
         call = asyncio.ensure_future(response({"type": "http"}, receive, transport.send))
         await asyncio.sleep(0)
-        stream._push(delta("a"))
+        hand_off(stream, delta("a"))
         start = transport.messages[0]
         assert start["type"] == "http.response.start" and start["status"] == 200
         headers = dict(start["headers"])

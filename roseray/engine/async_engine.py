@@ -3,9 +3,12 @@
 The engine is not thread-safe, so exactly one thread (the engine loop) ever calls it.
 Requests enter from the asyncio side through a command queue drained at the top of
 each loop iteration; each request gets a `RequestStream` of its deltas. After every
-step the loop makes ONE hand-off to asyncio (`call_soon_threadsafe` with the whole
-step's admissions and deltas), never one per token. With no work the loop sleeps on
-an event (no spinning) and wakes every `heartbeat_s` to prove it is alive.
+step the loop makes ONE hand-off to asyncio (the whole step's admissions and deltas),
+never one per token. Hand-offs queue up while the event loop is busy and are taken
+together by one callback, whose streams flush once at its end: an attached stream (SSE)
+then writes several steps' tokens in one `send`, so a server that falls behind does less
+work per token instead of more. With no work the loop sleeps on an event (no spinning)
+and wakes every `heartbeat_s` to prove it is alive.
 
 A stream that is closed early (cancelled handler, client gone) aborts its request;
 the abort is applied at the top of the next iteration, so its KV blocks are free
@@ -114,6 +117,8 @@ class AsyncLLMEngine:
         self._state = LoopState.NEW
         self._stop = False
         self._streams: dict[str, RequestStream] = {}
+        self._hand_offs: collections.deque = collections.deque()  # appended by the loop, taken by asyncio
+        self._hand_offs_scheduled = False  # a callback that takes them is on its way to asyncio
         self._num_unacked = 0  # adds sent to the loop and not yet covered by a hand-off's stats
         self._queue_stats = AsyncEngineStats()  # stats as of the last hand-off (asyncio side)
         self.stats = AsyncEngineStats(last_heartbeat=time.monotonic())
@@ -263,8 +268,18 @@ class AsyncLLMEngine:
             self._wake.set()
 
     # ---- hand-off (runs on the event loop) ----------------------------------------------------
+    def _take_hand_offs(self) -> None:
+        """Apply every hand-off queued since the last call, then flush the streams they
+        touched (cleared first: a hand-off queued meanwhile schedules another call)."""
+        self._hand_offs_scheduled = False
+        hand_offs, flushes = self._hand_offs, []
+        while hand_offs:
+            self._on_step(*hand_offs.popleft(), flushes)
+        for stream in flushes:
+            stream._flush()
+
     def _on_step(self, admissions: list[tuple[str, BaseException | None]], deltas: list[RequestDelta],
-                 stats: AsyncEngineStats, num_drained: int) -> None:
+                 stats: AsyncEngineStats, num_drained: int, flushes: list[RequestStream]) -> None:
         self._num_unacked -= num_drained
         self._queue_stats = stats
         streams = self._streams
@@ -281,7 +296,8 @@ class AsyncLLMEngine:
             stream = streams.get(delta.request_id)
             if stream is None:  # aborted by its reader; nobody listens
                 continue
-            stream._push(delta)
+            if stream._push(delta):
+                flushes.append(stream)
             if delta.finished:
                 del streams[delta.request_id]
 
@@ -406,7 +422,10 @@ class AsyncLLMEngine:
 
     def _hand_off(self, admissions, deltas, stats, num_drained) -> None:
         if admissions or deltas or num_drained:
-            self._call_loop(self._on_step, admissions, deltas, stats, num_drained)
+            self._hand_offs.append((admissions, deltas, stats, num_drained))
+            if not self._hand_offs_scheduled:
+                self._hand_offs_scheduled = True
+                self._call_loop(self._take_hand_offs)
 
     def _call_loop(self, fn, *args) -> None:
         loop = self._loop

@@ -4,7 +4,8 @@
 of `RequestDelta` (everything that arrived since the previous read, so a slow reader
 gets them batched). It ends after the delta with `finished=True`; closing it earlier
 aborts the request. Instead of reading it, a caller may `attach` callbacks that get each
-delta inside the engine's hand-off (roseray.server.sse_writer streams SSE that way).
+delta inside the engine's hand-off, and a flush at its end (roseray.server.sse_writer
+streams SSE that way).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class RequestStream:
     with `finished=True`. Closing it before then aborts the request."""
 
     __slots__ = ("request_id", "_owner", "_buffer", "_ready", "_admitted", "_error", "_finished", "_on_delta",
-                 "_on_error")
+                 "_on_error", "_on_flush", "_flush_due")
 
     def __init__(self, request_id: str, owner: "AsyncLLMEngine", loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
@@ -53,6 +54,8 @@ class RequestStream:
         self._finished = False
         self._on_delta: Callable[[RequestDelta], None] | None = None  # attached: deltas go here, not to _buffer
         self._on_error: Callable[[BaseException], None] | None = None
+        self._on_flush: Callable[[], None] | None = None
+        self._flush_due = False  # deltas went to _on_delta since the last _on_flush
 
     @property
     def finished(self) -> bool:
@@ -82,26 +85,42 @@ class RequestStream:
             self._owner._abort(self.request_id)
             self._ready.set()  # a reader waiting in __anext__ ends
 
-    def attach(self, on_delta: Callable[[RequestDelta], None], on_error: Callable[[BaseException], None]) -> None:
+    def attach(self, on_delta: Callable[[RequestDelta], None], on_error: Callable[[BaseException], None],
+               on_flush: Callable[[], None]) -> None:
         """Deliver every delta by calling `on_delta` from the engine's hand-off (one call per
-        delta, on the event loop) and a failure by `on_error`, instead of through iteration.
-        What arrived before is delivered now. The callbacks must not raise."""
+        delta, on the event loop), then `on_flush` once at the end of a hand-off that brought
+        any (so that a consumer may write them together), and a failure by `on_error`,
+        instead of through iteration. What arrived before is delivered (and flushed) now.
+        The callbacks must not raise."""
         buffered, self._buffer = self._buffer, []
-        self._on_delta, self._on_error = on_delta, on_error
+        self._on_delta, self._on_error, self._on_flush = on_delta, on_error, on_flush
         for delta in buffered:
             on_delta(delta)
+        if buffered:
+            on_flush()
         if self._error is not None and not (buffered and buffered[-1].finished):
             on_error(self._error)
 
     # called on the event loop by AsyncLLMEngine
-    def _push(self, delta: RequestDelta) -> None:
+    def _push(self, delta: RequestDelta) -> bool:
+        """Take one delta of a hand-off. True when the stream wants `_flush()` at the end of
+        this hand-off (its first delta since the last flush, when attached)."""
         if delta.finished:
             self._finished = True
         if self._on_delta is not None:
             self._on_delta(delta)
-            return
+            if self._flush_due:
+                return False
+            self._flush_due = True
+            return True
         self._buffer.append(delta)
         self._ready.set()
+        return False
+
+    def _flush(self) -> None:
+        """The hand-off that pushed deltas here is over."""
+        self._flush_due = False
+        self._on_flush()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error

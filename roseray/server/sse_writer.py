@@ -2,15 +2,17 @@
 
 AsyncLLMEngine hands each engine step's deltas to the event loop in one callback. A
 streamed request answered by `EngineSSEResponse` has an `SSEWriter` attached to its
-RequestStream, so its SSE bytes are built and written inside that callback: no task wakes
-up per request per step, and the cost per streamed token is the bytes and one `send`.
+RequestStream, so its SSE bytes are built inside that callback and written at its end,
+in one `send` however many steps' deltas it brought (the engine client reads every step
+waiting for it, and hand-offs that queued up while the event loop was busy are taken
+together): no task wakes up per request per step, the cost per streamed token is its
+bytes, and a server that falls behind makes fewer, larger writes instead of more.
 
 An ASGI `send` is a coroutine, but with uvicorn (also under Ray Serve's direct ingress) a
 body `send` finishes without suspending whenever the socket is writable. `send_now` runs
 it to completion on the spot and hands it to a task only when it does suspend (a client
 that reads slower than tokens come); until that task is done the writer collects the next
-steps' bytes and sends them together, so a slow client gets fewer, larger writes and
-never holds up the other streams.
+steps' bytes and sends them together, so a slow client never holds up the other streams.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class SSEWriter:
     """Writes one request's stream as its deltas arrive; `done` resolves after the last
     write, or when writing failed (the client is gone: the request is then aborted)."""
 
-    __slots__ = ("_send", "_render", "_render_error", "_stream", "done", "_pending", "_in_flight", "_ending")
+    __slots__ = ("_send", "_render", "_render_error", "_stream", "done", "_pending", "_in_flight", "_ending",
+                 "_last_sent")
 
     def __init__(self, send: Send, render: RenderDelta, render_error: RenderError, stream: RequestStream) -> None:
         self._send = send
@@ -68,12 +71,14 @@ class SSEWriter:
         self._render_error = render_error
         self._stream = stream
         self.done = asyncio.get_running_loop().create_future()
-        self._pending: list[bytes] = []  # bytes that came while a send was suspended
+        self._pending: list[bytes] = []  # rendered, not sent yet (this hand-off's, or while a send was suspended)
         self._in_flight: asyncio.Future | None = None
-        self._ending = False  # the last bytes are written or pending
+        self._ending = False  # the last bytes are pending or sent: nothing more is rendered
+        self._last_sent = False  # the send with more_body=False was made
 
     # called by the RequestStream (from the engine's hand-off)
     def on_delta(self, delta: RequestDelta) -> None:
+        """Render one delta; it is written by the `flush` at the end of the hand-off."""
         if self._ending:
             return
         try:
@@ -81,30 +86,38 @@ class SSEWriter:
         except Exception as error:  # noqa: BLE001 - end the stream with an error event, never kill the hand-off
             self.on_error(error)
             return
-        self._write(body, delta.finished)
+        self._pending.append(body)
+        self._ending = delta.finished
 
     def on_error(self, error: BaseException) -> None:
         if not self._ending:
-            self._write(self._render_error(error), True)
+            self._pending.append(self._render_error(error))
+            self._ending = True
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what is pending in one write (unless a suspended send is still going: its
+        completion sends it)."""
+        if self._in_flight is not None or self._last_sent:
+            return
+        pending = self._pending
+        if not pending and not self._ending:
+            return
+        body = pending[0] if len(pending) == 1 else b"".join(pending)
+        self._pending = []
+        if body or self._ending:  # deltas that rendered to nothing are not worth a write
+            self._send_body(body)
 
     # ---- writing ---------------------------------------------------------------------------------
-    def _write(self, body: bytes, last: bool) -> None:
-        self._ending = last
-        if self._in_flight is not None:
-            self._pending.append(body)
-            return
-        if not body and not last:
-            return
-        self._send_body(body)
-
     def _send_body(self, body: bytes) -> None:
+        last = self._last_sent = self._ending
         try:
-            in_flight = send_now(self._send, {"type": "http.response.body", "body": body, "more_body": not self._ending})
+            in_flight = send_now(self._send, {"type": "http.response.body", "body": body, "more_body": not last})
         except Exception:  # noqa: BLE001 - the connection is gone
             self.abandon()
             return
         if in_flight is None:
-            if self._ending:
+            if last:
                 self._finish()
             return
         self._in_flight = in_flight
@@ -114,16 +127,14 @@ class SSEWriter:
         self._in_flight = None
         if in_flight.cancelled() or in_flight.exception() is not None:
             self.abandon()
-            return
-        if self._pending:
-            body, self._pending = b"".join(self._pending), []
-            self._send_body(body)
-        elif self._ending:
+        elif self._last_sent:
             self._finish()
+        else:
+            self.flush()
 
     def abandon(self) -> None:
         """The client is gone: write nothing more and abort the request."""
-        self._ending = True
+        self._ending = self._last_sent = True
         self._pending = []
         self._stream.close()  # aborts the request if it still runs
         self._finish()
@@ -160,7 +171,7 @@ class EngineSSEResponse(Response):
         disconnect = None
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            self.stream.attach(writer.on_delta, writer.on_error)
+            self.stream.attach(writer.on_delta, writer.on_error, writer.flush)
             disconnect = asyncio.ensure_future(until_disconnect(receive))
             await asyncio.wait((writer.done, disconnect), return_when=asyncio.FIRST_COMPLETED)
             if not writer.done.done():  # the client went away first
