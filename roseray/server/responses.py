@@ -16,10 +16,12 @@ from typing import Callable, Sequence
 from roseray.engine.request import RequestDelta
 
 SSE_DONE = b"data: [DONE]\n\n"
+# json.dumps with any option builds a new JSONEncoder per call; every request's first and last events pay that
+_encode_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def sse_event(body: dict) -> bytes:
-    return b"data: " + json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _encode_json(body).encode() + b"\n\n"
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict:
