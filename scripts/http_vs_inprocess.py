@@ -85,7 +85,9 @@ def _clients(port: int, model: str, n: int, max_tokens: int, processes: int) -> 
     return {"completion_tokens": total, "wall_s": last - started, "throughput_tok_s": total / (last - started),
             "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl), "client_processes": processes,
             # events that reached the client together (the server wrote several steps' tokens at once)
-            "gaps_under_50us_fraction": float(np.mean(itl < 50e-6))}
+            "gaps_under_50us_fraction": float(np.mean(itl < 50e-6)),
+            # the gaps between reads that brought tokens (events closer than 50 us count as one chunk)
+            "chunk_gap_ms": ms(itl[itl >= 50e-6]), "events_per_chunk": float(len(itl) / max(1, np.sum(itl >= 50e-6)))}
 
 
 def run_http(model: str, n: int, max_tokens: int, port: int, processes: int) -> dict:
@@ -125,13 +127,16 @@ def main() -> None:
     inproc = run_seed(args.model, args.num_requests, {})
     ratio = http["throughput_tok_s"] / inproc["throughput_tok_s"]
     itl_over_step = http["itl_ms"]["p50"] / inproc["tpot_ms"]["p50"]
+    chunk_gap_over_step = http["chunk_gap_ms"]["p50"] / inproc["tpot_ms"]["p50"]
     result = {"in_process": inproc, "http": http, "http_over_in_process": ratio,
-              "http_itl_p50_over_engine_step": itl_over_step}
+              "http_itl_p50_over_engine_step": itl_over_step, "http_chunk_gap_p50_over_engine_step": chunk_gap_over_step}
     print(f"in-process {inproc['throughput_tok_s']:,.0f} tok/s (TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms); "
           f"HTTP {http['throughput_tok_s']:,.0f} tok/s = {ratio:.0%}; HTTP ITL p50 {http['itl_ms']['p50']:.2f} ms "
           f"= {itl_over_step:.2f}x the engine step; HTTP TTFT p50 {http['ttft_ms']['p50']:.1f} ms, "
           f"ITL p99 {http['itl_ms']['p99']:.2f} ms; HTTP TPOT p50 {http['tpot_ms']['p50']:.2f} ms; "
-          f"{http['gaps_under_50us_fraction']:.0%} of gaps < 50 us (events that arrived together)")
+          f"{http['gaps_under_50us_fraction']:.0%} of gaps < 50 us (events that arrived together); "
+          f"chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms = {chunk_gap_over_step:.2f}x the step, "
+          f"{http['events_per_chunk']:.2f} events per chunk")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
