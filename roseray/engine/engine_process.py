@@ -33,6 +33,18 @@ delta index: [index, finished, finish_reason, logprobs, summary] (see `encode_st
 sends while it has requests and blocks on its command pipe when idle. If the server
 process dies, the child's next read or write fails and it exits; if the child dies,
 `step()` raises and the async engine reports the loop dead (503, health fails).
+
+Several clients (`roseray serve --api-processes N`: N API processes in front of one
+engine): the child gets one pipe pair per client (`--commands-fd`/`--outputs-fd`
+repeated; the config comes first on the first client's command pipe) and runs
+`serve_clients` instead of `serve_engine`. Each client names its requests by its own
+handles; in the engine they are f"{client}.{handle}". A step's deltas are split by
+client, and each client gets a step message of its own deltas only (its own handles),
+with the engine-wide stats; a client with no request in the engine gets one at most
+every `IDLE_STATS_INTERVAL_S`, so its stats stay fresh. "ready" goes to every client,
+a reply to the client that asked. A client's "stop" or a broken pipe detaches it and
+aborts its requests (their KV blocks are freed); the child exits when no client is left.
+With one client nothing of this runs: `serve_engine` and its messages are as they were.
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ import os
 import subprocess
 import sys
 import time
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 from roseray.config import EngineConfig
 from roseray.engine.engine import EngineStats, LLMEngine
@@ -63,6 +75,7 @@ _STATS_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blo
                  "prefix_cache_hits", "prefix_cache_queries", "num_preemptions_total", "prompt_tokens_total",
                  "generation_tokens_total")
 _json_encode = json.JSONEncoder(separators=(",", ":")).encode
+IDLE_STATS_INTERVAL_S = 0.25  # several clients: how often one with no requests still gets the stats
 
 
 def _dumps(message) -> bytes:
@@ -86,8 +99,10 @@ def freeze_startup_objects() -> None:
 
 
 # ---- the child ---------------------------------------------------------------------------
-def encode_step(deltas: list[RequestDelta], stats: list, error: str | None) -> bytes:
-    """One step's deltas as a columnar JSON message."""
+def encode_step(deltas: list[RequestDelta], stats: list, error: str | None,
+                handles: list[str] | None = None) -> bytes:
+    """One step's deltas as a columnar JSON message; `handles` names the deltas for their
+    client (default: their request ids, which are the handles when there is one client)."""
     extras = []
     for index, delta in enumerate(deltas):
         if delta.finished or delta.new_logprobs is not None:
@@ -100,7 +115,9 @@ def encode_step(deltas: list[RequestDelta], stats: list, error: str | None) -> b
                 summary = [req.first_scheduled_time, req.num_cached_tokens, req.stop_reason]
             extras.append([index, delta.finished, delta.finish_reason, logprobs, summary])
     tokens = [d.new_token_ids[0] if len(d.new_token_ids) == 1 else d.new_token_ids for d in deltas]
-    return _dumps(["step", [d.request_id for d in deltas], tokens,
+    if handles is None:
+        handles = [d.request_id for d in deltas]
+    return _dumps(["step", handles, tokens,
                     [d.new_text for d in deltas], [d.num_output_tokens for d in deltas], extras, stats,
                     error])
 
@@ -132,22 +149,26 @@ def serve_engine(engine, commands: Connection, outputs: Connection) -> None:
         send(encode_step(deltas, _stats(engine), error_text))
 
 
-def _apply(engine, command: list, send) -> bool:
-    """Apply one command; True means stop."""
+def _apply(engine, command: list, send, client: "SharedEngineClient | None" = None) -> bool:
+    """Apply one command (of `client`, when the engine has several); True means stop."""
     kind = command[0]
     if kind == "add":
         failed = []
-        for request_id, token_ids, params, arrival in command[1]:
+        for handle, token_ids, params, arrival in command[1]:
+            request_id = handle if client is None else client.engine_id(handle)
             try:
                 engine.add_request(request_id, token_ids, SamplingParams(**params), arrival_time=arrival)
             except Exception:  # noqa: BLE001 - the client checked it; report it as a failed request
                 logger.exception("add_request failed in the engine process")
-                failed.append(RequestDelta(request_id, [], "", True, "error", None, len(token_ids), 0,
+                failed.append(RequestDelta(handle, [], "", True, "error", None, len(token_ids), 0,
                                            RequestSummary(arrival)))
-        if failed:
+                continue
+            if client is not None:
+                client.added(request_id, handle)
+        if failed:  # named by the client's handles
             send(encode_step(failed, _stats(engine), None))
     elif kind == "abort":
-        engine.abort_request(command[1])
+        engine.abort_request(command[1] if client is None else client.engine_id(command[1]))
     elif kind == "check_integrity":
         try:
             engine.check_integrity()
@@ -160,29 +181,169 @@ def _apply(engine, command: list, send) -> bool:
     return False
 
 
+# ---- several clients (API processes) share the child ------------------------------------------
+class SharedEngineClient:
+    """One client of an engine child that serves several: its pipes and its requests,
+    which the engine knows as f"{index}.{handle}"."""
+
+    def __init__(self, index: int, commands: Connection, outputs: Connection,
+                 owners: dict[str, "SharedEngineClient"]) -> None:
+        self.index = index
+        self.commands, self.outputs = commands, outputs
+        self.requests: dict[str, str] = {}  # engine request id -> the client's handle
+        self.owners = owners  # engine request id -> its client, shared by all clients
+        self.last_sent = float("-inf")
+
+    def engine_id(self, handle: str) -> str:
+        return f"{self.index}.{handle}"
+
+    def added(self, request_id: str, handle: str) -> None:
+        self.requests[request_id] = handle
+        self.owners[request_id] = self
+
+    def send(self, data: bytes) -> None:
+        self.outputs.send_bytes(data)
+        self.last_sent = time.monotonic()
+
+    def detach(self, engine) -> None:
+        """The client is gone or stopped: abort its requests (their blocks are freed at once;
+        their abort deltas then find no owner) and close its pipes."""
+        for request_id in self.requests:
+            engine.abort_request(request_id)
+            self.owners.pop(request_id, None)
+        self.requests.clear()
+        for connection in (self.commands, self.outputs):
+            try:
+                connection.close()
+            except OSError:
+                pass
+
+
+def serve_clients(engine, clients: list[SharedEngineClient]) -> None:
+    """`serve_engine` for several clients: step while any has requests, apply each
+    client's commands between steps, send each client its own deltas. Returns when every
+    client has stopped or gone away."""
+    live = {client.commands: client for client in clients}
+    owners = clients[0].owners
+    last_error = None
+
+    def detach(client: SharedEngineClient) -> None:
+        logger.info("API process %d detached from the engine (%d request(s) aborted)", client.index,
+                    len(client.requests))
+        live.pop(client.commands, None)
+        client.detach(engine)
+
+    while live:
+        for connection in wait(list(live), None if not engine.has_unfinished_requests() else 0):
+            client = live[connection]
+            try:
+                while connection.poll():
+                    if _apply(engine, _loads(connection.recv_bytes()), client.send, client):
+                        raise EOFError  # "stop"
+            except (EOFError, OSError):
+                detach(client)
+        if not engine.has_unfinished_requests():
+            continue
+        deltas = engine.step()
+        error = engine.last_error
+        error_text = None
+        if error is not None and error is not last_error:
+            last_error, error_text = error, repr(error)
+        stats = _stats(engine)
+        groups: dict[SharedEngineClient, tuple[list, list]] = {}
+        for delta in deltas:
+            client = owners.get(delta.request_id)
+            if client is None:  # its client detached
+                continue
+            group = groups.get(client)
+            if group is None:
+                group = groups[client] = ([], [])
+            group[0].append(delta)
+            if delta.finished:
+                group[1].append(client.requests.pop(delta.request_id))
+                del owners[delta.request_id]
+            else:
+                group[1].append(client.requests[delta.request_id])
+        # idle clients get the stats too, now and then, and once the engine goes idle
+        everyone = error_text is not None or not engine.has_unfinished_requests()
+        now = time.monotonic()
+        for client in list(live.values()):
+            group = groups.get(client)
+            if group is None:
+                if not (everyone or client.requests or now - client.last_sent >= IDLE_STATS_INTERVAL_S):
+                    continue
+                group = ([], [])
+            try:
+                client.send(encode_step(group[0], stats, error_text, group[1]))
+            except OSError:
+                detach(client)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="roseray's engine process (started by EngineProcessClient)")
-    parser.add_argument("--commands-fd", type=int, required=True)
-    parser.add_argument("--outputs-fd", type=int, required=True)
+    parser = argparse.ArgumentParser(description="roseray's engine process (started by EngineProcessClient, "
+                                                 "or by `roseray serve --api-processes N`)")
+    parser.add_argument("--commands-fd", type=int, action="append", required=True,
+                        help="a client's command pipe (repeat with --outputs-fd for each client)")
+    parser.add_argument("--outputs-fd", type=int, action="append", required=True)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    if len(args.commands_fd) != len(args.outputs_fd):
+        parser.error("give one --outputs-fd per --commands-fd")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s engine-process %(name)s: %(message)s")
-    commands, outputs = Connection(args.commands_fd), Connection(args.outputs_fd, readable=False)
+    pipes = [(Connection(c, writable=False), Connection(o, readable=False))
+             for c, o in zip(args.commands_fd, args.outputs_fd)]
     try:
-        config = EngineConfig(**_loads(commands.recv_bytes()))
+        config = EngineConfig(**_loads(pipes[0][0].recv_bytes()))  # the config comes first, from the first client
         engine = LLMEngine(config)
-    except Exception as error:  # noqa: BLE001 - reported to the client, which raises it
+    except Exception as error:  # noqa: BLE001 - reported to the clients, which raise it
         logger.exception("the engine process could not start")
-        outputs.send_bytes(_dumps(["failed", type(error).__name__, str(error)]))
+        _send_all(pipes, _dumps(["failed", type(error).__name__, str(error)]))
         return 1
     freeze_startup_objects()
     info = {"model_name": engine.model_name, "limits": dataclasses.asdict(engine.limits), "pid": os.getpid()}
-    outputs.send_bytes(_dumps(["ready", info]))
+    _send_all(pipes, _dumps(["ready", info]))
     try:
-        serve_engine(engine, commands, outputs)
+        if len(pipes) == 1:
+            serve_engine(engine, *pipes[0])
+        else:
+            owners: dict[str, SharedEngineClient] = {}
+            serve_clients(engine, [SharedEngineClient(i, c, o, owners) for i, (c, o) in enumerate(pipes)])
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("the server process is gone; the engine process exits")
     return 0
+
+
+def _send_all(pipes: list[tuple[Connection, Connection]], data: bytes) -> None:
+    for _, outputs in pipes:
+        try:
+            outputs.send_bytes(data)
+        except OSError:  # that client is gone; serve_clients detaches it
+            pass
+
+
+def spawn_engine_process(config: EngineConfig, num_clients: int = 1) -> tuple[subprocess.Popen, list[tuple[int, int]]]:
+    """Start `python -m roseray.engine.engine_process` with one pipe pair per client and
+    send it the config (first, on the first client's command pipe). Returns the process
+    and each client's (command pipe write end, output pipe read end); its ends are closed
+    here. The child runs in a session of its own: a terminal's Ctrl-C reaches whoever
+    started it, which stops it."""
+    child_fds, client_fds, argv = [], [], []
+    for _ in range(num_clients):
+        cmd_r, cmd_w = os.pipe()
+        out_r, out_w = os.pipe()
+        child_fds += [cmd_r, out_w]
+        client_fds.append((cmd_w, out_r))
+        argv += ["--commands-fd", str(cmd_r), "--outputs-fd", str(out_w)]
+    level = logging.getLevelName(logging.getLogger("roseray").getEffectiveLevel())
+    process = subprocess.Popen(
+        [sys.executable, "-m", "roseray.engine.engine_process", *argv,
+         "--log-level", level if isinstance(level, str) else "INFO"],
+        pass_fds=child_fds, stdin=subprocess.DEVNULL, start_new_session=True)
+    for fd in child_fds:
+        os.close(fd)
+    with Connection(os.dup(client_fds[0][0]), readable=False) as first:  # a Connection closes its fd
+        first.send_bytes(_dumps(dataclasses.asdict(config)))
+    return process, client_fds
 
 
 # ---- the client (in the server process) ----------------------------------------------------
@@ -190,9 +351,15 @@ class EngineProcessClient:
     """Starts the engine process and speaks for it: what AsyncLLMEngine's loop thread calls
     (`add_request`, `abort_request`, `step`, `has_unfinished_requests`, `get_stats`,
     `check_integrity`, `last_error`) plus what the server reads (`model_name`,
-    `max_model_len`, `config`, `tokenizer`). One thread (the async engine's loop) calls it."""
+    `max_model_len`, `config`, `tokenizer`). One thread (the async engine's loop) calls it.
 
-    def __init__(self, config: EngineConfig, *, poll_s: float = 0.01, start_timeout_s: float | None = None) -> None:
+    `EngineProcessClient(config)` spawns a child of its own; `connect(config, ...)` speaks
+    over the pipes of a child that another process started for several clients (the
+    supervisor of `roseray serve --api-processes N`), which it then neither waits for nor
+    kills: it only sends "stop"."""
+
+    def __init__(self, config: EngineConfig, *, poll_s: float = 0.01, start_timeout_s: float | None = None,
+                 pipe_fds: tuple[int, int] | None = None) -> None:
         self.config = config
         self.model_config = load_model_config(config.model, revision=config.revision)
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_config)
@@ -208,40 +375,45 @@ class EngineProcessClient:
         self._replies: dict[int, list] = {}
         self._next_call = 0
         self._closed = False
-        self._process, self._commands, self._outputs = self._spawn(config)
+        if pipe_fds is None:
+            self._process, self._commands, self._outputs = self._spawn(config)
+        else:  # a shared child: the process is not ours
+            self._process = None
+            self._commands = Connection(pipe_fds[0], readable=False)
+            self._outputs = Connection(pipe_fds[1], writable=False)
         info = self._wait_ready(start_timeout_s)
         self.model_name: str = info["model_name"]
         self.limits = RequestLimits(**info["limits"])
         self.max_model_len = self.limits.max_model_len
         self.pid: int = info["pid"]
 
+    @classmethod
+    def connect(cls, config: EngineConfig, commands_fd: int, outputs_fd: int, **kwargs) -> "EngineProcessClient":
+        """A client over the command pipe's write end and the output pipe's read end of an
+        engine child already started; waits for its "ready"."""
+        return cls(config, pipe_fds=(commands_fd, outputs_fd), **kwargs)
+
     @staticmethod
     def _spawn(config: EngineConfig):
-        cmd_r, cmd_w = os.pipe()
-        out_r, out_w = os.pipe()
-        level = logging.getLevelName(logging.getLogger("roseray").getEffectiveLevel())
-        process = subprocess.Popen(
-            [sys.executable, "-m", "roseray.engine.engine_process", "--commands-fd", str(cmd_r),
-             "--outputs-fd", str(out_w), "--log-level", level if isinstance(level, str) else "INFO"],
-            pass_fds=(cmd_r, out_w), stdin=subprocess.DEVNULL, start_new_session=True)
-        os.close(cmd_r)
-        os.close(out_w)
-        commands, outputs = Connection(cmd_w, readable=False), Connection(out_r, writable=False)
-        commands.send_bytes(_dumps(dataclasses.asdict(config)))
-        return process, commands, outputs
+        process, [(commands_fd, outputs_fd)] = spawn_engine_process(config)
+        return process, Connection(commands_fd, readable=False), Connection(outputs_fd, writable=False)
 
     def _wait_ready(self, timeout_s: float | None) -> dict:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._outputs.poll(0.5):
-            if self._process.poll() is not None:
+            if self._process is not None and self._process.poll() is not None:
                 raise EngineProcessError(f"the engine process exited with code {self._process.returncode} "
                                          "before it was ready (its log says why)")
             if deadline is not None and time.monotonic() > deadline:
                 self.close()
                 raise EngineProcessError(f"the engine process was not ready within {timeout_s:.0f} s")
-        message = _loads(self._outputs.recv_bytes())
+        try:
+            message = _loads(self._outputs.recv_bytes())
+        except (EOFError, OSError):
+            raise EngineProcessError("the engine process exited before it was ready (its log says why)") from None
         if message[0] == "failed":
-            self._process.wait(10)
+            if self._process is not None:
+                self._process.wait(10)
             error_type = ValueError if message[1] == "ValueError" else EngineProcessError
             raise error_type(message[2])
         return message[1]
@@ -286,6 +458,9 @@ class EngineProcessClient:
         return deltas
 
     def get_stats(self):
+        if not self._requests:  # idle: the loop does not step, so read what a shared child sent meanwhile
+            while self._outputs.poll():
+                self._read(self._backlog)
         if self._stats is None:
             return EngineStats(0, 0, self.limits.num_blocks, self.limits.num_blocks, 0.0, 0, 0, 0, 0, 0)
         return EngineStats(*self._stats)
@@ -317,11 +492,12 @@ class EngineProcessClient:
             self._commands.send_bytes(_dumps(["stop"]))
         except OSError:
             pass
-        try:
-            self._process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        if self._process is not None:
+            try:
+                self._process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
         self._commands.close()
         self._outputs.close()
 
@@ -342,15 +518,16 @@ class EngineProcessClient:
             raise EngineProcessError(f"the engine process is gone ({error})") from None
 
     def _check_alive(self) -> None:
-        if self._process.poll() is not None:
+        # a shared child is not ours to poll: its death shows as the end of its output pipe
+        if self._process is not None and self._process.poll() is not None:
             raise EngineProcessError(f"the engine process exited with code {self._process.returncode}")
 
     def _read(self, deltas: list[RequestDelta]) -> None:
         try:
             message = _loads(self._outputs.recv_bytes())
         except (EOFError, OSError):
-            self._process.poll()
-            raise EngineProcessError(f"the engine process is gone (exit code {self._process.returncode})") from None
+            code = self._process.poll() if self._process is not None else None
+            raise EngineProcessError(f"the engine process is gone (exit code {code})") from None
         self._last_message = time.monotonic()
         if message[0] == "reply":
             _, call_id, failure, self._stats = message

@@ -1,0 +1,151 @@
+"""One engine child shared by several clients (`roseray serve --api-processes N`): each
+client's requests live in their own namespace, every step's deltas are split so that a
+client gets only its own (under its own handles), a client that stops or goes away has
+only its requests aborted (their blocks freed), and the child ends with its last client.
+CPU, random:tiny."""
+
+import os
+import threading
+from multiprocessing.connection import Connection
+
+import pytest
+
+from roseray.config import EngineConfig
+from roseray.engine.engine import LLMEngine
+from roseray.engine.engine_process import (EngineProcessClient, SharedEngineClient, _dumps, _loads, serve_clients,
+                                           spawn_engine_process)
+from roseray.sampling_params import SamplingParams
+
+PARAMS = {"temperature": 0.0, "ignore_eos": True}
+
+
+def config(**overrides) -> EngineConfig:
+    values = dict(model="random:tiny", device="cpu", num_kv_blocks=64, max_model_len=512, max_num_seqs=8,
+                  async_scheduling=False)
+    return EngineConfig(**{**values, **overrides})
+
+
+class Pipes:
+    """The client's ends of one client's pipe pair to `serve_clients` (run in a thread)."""
+
+    def __init__(self) -> None:
+        cmd_r, cmd_w = os.pipe()
+        out_r, out_w = os.pipe()
+        self.commands, self.outputs = Connection(cmd_w, readable=False), Connection(out_r, writable=False)
+        self.child_ends = (Connection(cmd_r, writable=False), Connection(out_w, readable=False))
+
+    def send(self, *message) -> None:
+        self.commands.send_bytes(_dumps(list(message)))
+
+    def read_until_finished(self, handles: set[str]) -> tuple[list, dict]:
+        """Step messages until every handle in `handles` finished: (the messages, handle -> delta fields)."""
+        messages, outputs = [], {h: {"tokens": [], "reason": None} for h in handles}
+        while any(outputs[h]["reason"] is None for h in handles):
+            message = _loads(self.outputs.recv_bytes())
+            messages.append(message)
+            if message[0] != "step":
+                continue
+            _, names, token_ids, _, _, extras, _, _ = message
+            for name, tokens in zip(names, token_ids):
+                outputs[name]["tokens"] += tokens if isinstance(tokens, list) else [tokens]
+            for index, finished, reason, _, _ in extras:
+                if finished:
+                    outputs[names[index]]["reason"] = reason
+        return messages, outputs
+
+
+@pytest.fixture
+def engine():
+    return LLMEngine(config())
+
+
+def start(engine, clients: list[Pipes]) -> threading.Thread:
+    owners: dict = {}
+    shared = [SharedEngineClient(i, *pipes.child_ends, owners) for i, pipes in enumerate(clients)]
+    thread = threading.Thread(target=serve_clients, args=(engine, shared), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_each_client_gets_only_its_own_deltas_from_a_shared_step(engine):
+    a, b = Pipes(), Pipes()
+    # the same handles from both clients, all admitted before the first step: one batch
+    a.send("add", [["0", [1, 2, 3], {**PARAMS, "max_tokens": 6}, 0.0], ["1", [4, 5], {**PARAMS, "max_tokens": 4}, 0.0]])
+    b.send("add", [["0", [1, 2, 3], {**PARAMS, "max_tokens": 5}, 0.0]])
+    thread = start(engine, [a, b])
+    a_messages, a_out = a.read_until_finished({"0", "1"})
+    b_messages, b_out = b.read_until_finished({"0"})
+    assert all(set(m[1]) <= {"0", "1"} for m in a_messages) and all(set(m[1]) <= {"0"} for m in b_messages)
+    assert a_messages[0][1] == ["0", "1"] and b_messages[0][1] == ["0"]  # the first step ran all three
+    assert [len(a_out["0"]["tokens"]), len(a_out["1"]["tokens"]), len(b_out["0"]["tokens"])] == [6, 4, 5]
+    assert b_out["0"]["tokens"] == a_out["0"]["tokens"][:5]  # same prompt, greedy: same tokens, kept apart
+    assert {a_out["0"]["reason"], a_out["1"]["reason"], b_out["0"]["reason"]} == {"length"}
+    while b.outputs.poll(0.5):  # b finished first: it still gets the stats of the engine going idle
+        b_messages.append(_loads(b.outputs.recv_bytes()))
+    assert b_messages[-1][1] == [] and b_messages[-1][6] == a_messages[-1][6] and a_messages[-1][6][0] == 0
+    a.send("stop")
+    b.send("stop")
+    thread.join(10)
+    assert not thread.is_alive()  # the child's loop ends with its last client
+
+
+def test_a_client_that_stops_or_goes_away_has_only_its_requests_aborted(engine):
+    a, b, c = Pipes(), Pipes(), Pipes()
+    a.send("add", [["0", [1, 2, 3], {**PARAMS, "max_tokens": 400}, 0.0]])
+    b.send("add", [["0", [7, 8], {**PARAMS, "max_tokens": 30}, 0.0]])
+    c.send("add", [["0", [9, 9], {**PARAMS, "max_tokens": 400}, 0.0]])
+    thread = start(engine, [a, b, c])
+    assert _loads(a.outputs.recv_bytes())[1] == ["0"]  # running
+    a.send("stop")
+    c.commands.close()  # c's process died: the child reads the end of its pipe
+    _, b_out = b.read_until_finished({"0"})
+    assert b_out["0"]["reason"] == "length" and len(b_out["0"]["tokens"]) == 30
+    b.send("check_integrity", 1)
+    reply = next(m for m in iter(lambda: _loads(b.outputs.recv_bytes()), None) if m[0] == "reply")
+    _, call_id, failure, stats = reply
+    assert (call_id, failure) == (1, None)
+    assert stats[0] == 0 and stats[2] == stats[3]  # nothing running, every block free: a's and c's were aborted
+    assert not engine.requests
+    b.send("stop")
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_an_idle_client_gets_the_stats_now_and_then_and_when_the_engine_goes_idle(engine):
+    busy, idle = Pipes(), Pipes()
+    busy.send("add", [["0", [1, 2], {**PARAMS, "max_tokens": 20}, 0.0]])
+    thread = start(engine, [busy, idle])
+    busy.read_until_finished({"0"})
+    last = None
+    while idle.outputs.poll(1.0):
+        last = _loads(idle.outputs.recv_bytes())
+        assert last[0] == "step" and last[1] == []  # never another client's deltas
+    assert last is not None and last[6][0] == 0  # the last stats it got: the engine idle
+    busy.send("stop")
+    idle.send("stop")
+    thread.join(10)
+
+
+def test_clients_over_a_spawned_shared_child():
+    """EngineProcessClient.connect over the pipes of a child started for two clients: both
+    get "ready", generate independently, and the child exits when both have closed."""
+    process, fds = spawn_engine_process(config(), num_clients=2)
+    first, second = (EngineProcessClient.connect(config(), *pair) for pair in fds)
+    try:
+        assert first.pid == second.pid == process.pid
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        first.add_request("x", [1, 2, 3], params)
+        second.add_request("x", [1, 2, 3], params)  # the same request id in another client
+        results = {}
+        for client, name in ((first, "first"), (second, "second")):
+            deltas = []
+            while client.has_unfinished_requests():
+                deltas += client.step()
+            results[name] = [t for d in deltas for t in d.new_token_ids]
+            assert deltas[-1].finished and deltas[-1].request_id == "x"
+        assert results["first"] == results["second"] and len(results["first"]) == 5
+        first.check_integrity()
+    finally:
+        first.close()
+        second.close()
+    assert process.wait(10) == 0
