@@ -1,8 +1,9 @@
 """Issue 4's measurement: W-seed-like requests (128 streams, prompt [15496], 128 greedy
 tokens, ignore_eos) through the in-process AsyncLLMEngine and through HTTP (the same
-FastAPI app served by `roseray serve`, one engine, `--client-processes` client processes), in one run.
+FastAPI app served by `roseray serve`, one engine, `--api-processes` API processes in
+front of it, `--client-processes` client processes), in one run.
 
-    python scripts/http_vs_inprocess.py [--model random:gpt2] [--out result.json]
+    python scripts/http_vs_inprocess.py [--model random:gpt2] [--api-processes 2] [--out result.json]
 
 Needs aiohttp and the serving dependencies (FastAPI, uvicorn: the GPU host's bundle).
 """
@@ -90,9 +91,10 @@ def _clients(port: int, model: str, n: int, max_tokens: int, processes: int) -> 
             "chunk_gap_ms": ms(itl[itl >= 50e-6]), "events_per_chunk": float(len(itl) / max(1, np.sum(itl >= 50e-6)))}
 
 
-def run_http(model: str, n: int, max_tokens: int, port: int, processes: int) -> dict:
+def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api_processes: int = 1) -> dict:
     server = subprocess.Popen([sys.executable, "-m", "roseray.cli", "serve", "--model", model, "--port", str(port),
-                               "--max-num-seqs", str(n), "--no-enable-prefix-caching"],
+                               "--max-num-seqs", str(n), "--no-enable-prefix-caching",
+                               "--api-processes", str(api_processes)],
                               stdout=subprocess.DEVNULL, stderr=open(os.environ.get("SERVER_LOG", "/dev/null"), "w"))
     try:
         deadline = time.time() + 300
@@ -106,7 +108,7 @@ def run_http(model: str, n: int, max_tokens: int, port: int, processes: int) -> 
                 time.sleep(1)
         else:
             raise RuntimeError("the server did not become ready")
-        return _clients(port, model, n, max_tokens, processes)
+        return {**_clients(port, model, n, max_tokens, processes), "api_processes": api_processes}
     finally:
         server.terminate()
         server.wait(60)
@@ -119,11 +121,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--client-processes", type=int, default=4, help="client processes sharing the streams")
+    parser.add_argument("--api-processes", type=int, default=1, help="`roseray serve --api-processes`")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     # HTTP first: the server process must find the GPU free (each engine sizes its KV
     # cache from the memory left), and the in-process engine runs after it has exited.
-    http = run_http(args.model, args.num_requests, args.max_tokens, args.port, args.client_processes)
+    http = run_http(args.model, args.num_requests, args.max_tokens, args.port, args.client_processes,
+                    args.api_processes)
     inproc = run_seed(args.model, args.num_requests, {})
     ratio = http["throughput_tok_s"] / inproc["throughput_tok_s"]
     itl_over_step = http["itl_ms"]["p50"] / inproc["tpot_ms"]["p50"]
@@ -136,7 +140,7 @@ def main() -> None:
           f"ITL p99 {http['itl_ms']['p99']:.2f} ms; HTTP TPOT p50 {http['tpot_ms']['p50']:.2f} ms; "
           f"{http['gaps_under_50us_fraction']:.0%} of gaps < 50 us (events that arrived together); "
           f"chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms = {chunk_gap_over_step:.2f}x the step, "
-          f"{http['events_per_chunk']:.2f} events per chunk")
+          f"{http['events_per_chunk']:.2f} events per chunk; {args.api_processes} API process(es)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -39,3 +39,12 @@ def test_serve_entry_point_imports(monkeypatch):
 def test_help_explains(argv):
     out = subprocess.run([sys.executable, "-m", "roseray.cli", *argv], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "usage:" in out.stdout and len(out.stdout) > 300
+
+
+def test_serve_help_explains_api_processes():
+    out = subprocess.run([sys.executable, "-m", "roseray.cli", "serve", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert "--api-processes" in out.stdout and "SO_REUSEPORT" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "roseray.cli", "serve", "--api-processes", "0"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "at least 1" in bad.stderr

@@ -32,6 +32,7 @@ from roseray.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddlewar
 from roseray.server.errors import APIError, error_body, install_error_handlers, param_of
 from roseray.server.fast_routes import GenerationFastPath
 from roseray.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from roseray.server.metrics_share import MetricsShare
 from roseray.server.openapi import (PROBE_RESPONSES, READ_RESPONSES, ChatCompletionChunk, ChatCompletionResponse,
                                     CompletionChunk, CompletionResponse, ModelCard, ModelList, Status,
                                     completion_responses, install_openapi)
@@ -77,7 +78,8 @@ class OpenAIServer:
 
     def __init__(self, engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_len: int | None,
                  request_guard: RequestGuard | None = None, log_requests: bool = False,
-                 log_prompts: bool = False, max_logprobs: int | None = None) -> None:
+                 log_prompts: bool = False, max_logprobs: int | None = None,
+                 metrics_share: MetricsShare | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -86,7 +88,7 @@ class OpenAIServer:
         self.request_guard = request_guard
         self.log_requests = log_requests
         self.log_prompts = log_prompts  # off by default: prompts are user data
-        self.metrics = ServerMetrics(model_name, lambda: engine.stats)
+        self.metrics = ServerMetrics(model_name, lambda: engine.stats, share=metrics_share)
         self.token_text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
         self.created = int(time.time())
 
@@ -278,19 +280,27 @@ def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_
                replica_name: str = "standalone", api_key: str | None = None,
                request_guard: RequestGuard | None = None, drain_timeout_s: float = 30.0,
                log_requests: bool = False, log_prompts: bool = False, max_logprobs: int | None = None,
-               cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               metrics_share: MetricsShare | None = None) -> FastAPI:
     """The OpenAI app over `engine`. Its lifespan starts the engine loop and, on shutdown,
     drains it (running requests get `drain_timeout_s` to finish). `cors_origins`: the
-    browser origins allowed to call the API (none by default; "*" for any)."""
+    browser origins allowed to call the API (none by default; "*" for any).
+    `metrics_share`: this is one of several API processes of one engine (metrics_share.py)."""
     server = OpenAIServer(engine, tokenizer, model_name=model_name, max_model_len=max_model_len,
                           request_guard=request_guard, log_requests=log_requests, log_prompts=log_prompts,
-                          max_logprobs=max_logprobs)
+                          max_logprobs=max_logprobs, metrics_share=metrics_share)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         engine.start()
+        publisher = None
+        if metrics_share is not None:
+            publisher = asyncio.ensure_future(metrics_share.publish_forever(server.metrics.registry))
         yield
         await engine.shutdown(drain_timeout_s)
+        if publisher is not None:
+            publisher.cancel()  # publishes once more on the way out
+            await asyncio.gather(publisher, return_exceptions=True)
 
     app = FastAPI(title="roseray", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server

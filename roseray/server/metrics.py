@@ -3,7 +3,9 @@
 Latency histograms and finish counters are observed per request by the API; engine
 gauges and counters (running, waiting, KV usage, prefix cache, tokens, preemptions) are
 read from the engine loop's latest stats snapshot at scrape time, so the hot path pays
-nothing for them. Each app has its own registry (several apps may live in one process).
+nothing for them. Each app has its own registries (several apps may live in one process).
+With several API processes in front of one engine, `share` adds the other processes'
+request metrics to a scrape (metrics_share.py); the engine's are the same in all.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from roseray.engine.async_engine import AsyncEngineStats
+from roseray.server.metrics_share import MetricsShare
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -87,7 +90,12 @@ class _EngineStatsCollector:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, read_stats: Callable[[], AsyncEngineStats]) -> None:
+    """`registry`: what this process observes per request; `engine_registry`: the engine's
+    stats, read at scrape time."""
+
+    def __init__(self, model_name: str, read_stats: Callable[[], AsyncEngineStats],
+                 share: MetricsShare | None = None) -> None:
+        self.share = share
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
 
@@ -109,10 +117,12 @@ class ServerMetrics:
         success = Counter("roseray:request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=self.registry)
         self._success = {reason: success.labels(model_name, reason) for reason in ("stop", "length", "abort", "error")}
-        self.registry.register(_EngineStatsCollector(model_name, read_stats))
+        self.engine_registry = CollectorRegistry(auto_describe=True)
+        self.engine_registry.register(_EngineStatsCollector(model_name, read_stats))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        requests = self.registry if self.share is None else self.share.summed(self.registry)
+        return generate_latest(requests) + generate_latest(self.engine_registry)
 
     def request_timer(self, arrival_time: float) -> "RequestTimer":
         return RequestTimer(self, arrival_time)

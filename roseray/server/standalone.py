@@ -20,6 +20,7 @@ from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
 from roseray.server.api import create_app
 from roseray.server.body_limit import DEFAULT_MAX_BODY_BYTES
+from roseray.server.metrics_share import MetricsShare
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +48,17 @@ class DrainingServer(uvicorn.Server):
 def build_server(engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                  served_model_name: str | None = None, log_prompts: bool = False, log_requests: bool = False,
                  drain_timeout_s: float = 30.0, log_level: str = "info", cors_origins: Sequence[str] = (),
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> DrainingServer:
-    """The uvicorn server of `roseray serve` over an engine that is not started yet."""
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, replica_suffix: str = "",
+                 metrics_share: MetricsShare | None = None) -> DrainingServer:
+    """The uvicorn server of `roseray serve` over an engine that is not started yet.
+    `replica_suffix` and `metrics_share`: one of several API processes (api_worker.py)."""
     llm = engine.engine
     app = create_app(engine, llm.tokenizer, model_name=served_model_name or llm.model_name,
-                     max_model_len=llm.max_model_len, replica_name=f"standalone@{socket.gethostname()}:{port}",
+                     max_model_len=llm.max_model_len,
+                     replica_name=f"standalone@{socket.gethostname()}:{port}{replica_suffix}",
                      api_key=api_key, drain_timeout_s=drain_timeout_s, log_requests=log_requests,
                      log_prompts=log_prompts, max_logprobs=llm.config.max_logprobs, cors_origins=cors_origins,
-                     max_body_bytes=max_body_bytes)
+                     max_body_bytes=max_body_bytes, metrics_share=metrics_share)
     if host not in LOOPBACK_HOSTS and not api_key:
         logger.warning("serving on %s without an API key: anyone who reaches this address can use the model", host)
     # the drain happens before uvicorn's own graceful shutdown, which then only closes finished connections

@@ -1,0 +1,72 @@
+"""One API process of `roseray serve --api-processes N`, started by api_processes.py.
+
+It serves the same app as `roseray serve` (create_app on a DrainingServer) over a
+listening socket the supervisor bound, with an AsyncLLMEngine over an
+EngineProcessClient that speaks over this process's pipe pair to the one shared engine
+child. Its settings (engine config, API key, ...) come as JSON through a pipe, which keeps
+the key out of the command line. SIGTERM/SIGINT drain its requests as in `roseray
+serve`; if the supervisor dies (the lifeline pipe ends), it stops the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+
+from roseray.config import EngineConfig
+from roseray.engine.async_engine import AsyncLLMEngine
+from roseray.engine.engine_process import IDLE_STATS_INTERVAL_S, EngineProcessClient
+from roseray.server.metrics_share import MetricsShare
+from roseray.server.standalone import build_server
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _stop_when_supervisor_dies(lifeline_fd: int) -> None:
+    """The supervisor holds the lifeline's write end: reading its end means it is gone."""
+    def watch() -> None:
+        os.read(lifeline_fd, 1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="roseray-lifeline", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one API process of `roseray serve --api-processes N`")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--socket-fd", type=int, required=True, help="the bound listening socket")
+    parser.add_argument("--commands-fd", type=int, required=True, help="the engine's command pipe (write end)")
+    parser.add_argument("--outputs-fd", type=int, required=True, help="the engine's output pipe (read end)")
+    parser.add_argument("--settings-fd", type=int, required=True, help="a pipe holding the settings as JSON")
+    parser.add_argument("--lifeline-fd", type=int, required=True, help="ends when the supervisor is gone")
+    parser.add_argument("--metrics-dir", required=True, help="where the API processes share request metrics")
+    args = parser.parse_args(argv)
+    settings = json.loads(_read_all(args.settings_fd))
+    name = f"api{args.index}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
+    _stop_when_supervisor_dies(args.lifeline_fd)
+    config = EngineConfig(**settings.pop("engine"))
+    client = EngineProcessClient.connect(config, args.commands_fd, args.outputs_fd)
+    # the engine-wide queue (in the engine's stats) is checked against the whole limit in every process
+    # an idle loop wakes as often as the engine sends an idle process its stats: a scrape here sees them
+    engine = AsyncLLMEngine(client, max_waiting_requests=config.max_waiting_requests, max_running=config.max_num_seqs,
+                            heartbeat_s=IDLE_STATS_INTERVAL_S)
+    sock = socket.socket(fileno=args.socket_fd)
+    build_server(engine, replica_suffix=f"/{name}", metrics_share=MetricsShare(args.metrics_dir, args.index),
+                 **settings).run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
