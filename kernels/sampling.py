@@ -134,6 +134,17 @@ def split_columns(num_rows: int, vocab_size: int, block: int = BLOCK) -> int:
     return blocks_per_program * block
 
 
+def variant_row_counts(max_rows: int, vocab_size: int) -> list[int]:
+    """One row count per compiled variant of the kernels that batches of 1..max_rows rows
+    launch on CUDA (the split count's power of two is a compile-time constant): what a
+    warm-up must run so that no batch compiles a kernel later."""
+    seen: dict[int, int] = {}
+    for num_rows in range(1, max_rows + 1):
+        num_splits = triton.cdiv(vocab_size, split_columns(num_rows, vocab_size))
+        seen.setdefault(triton.next_power_of_2(num_splits), num_rows)
+    return sorted(seen.values())
+
+
 def gumbel_max_sample(
     logits: torch.Tensor,  # [num_rows, vocab_size], unit column stride
     temperatures: torch.Tensor,  # [num_rows] fp32 on the logits' device; 0 = greedy

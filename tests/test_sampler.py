@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from roseray.engine.request import Request
 from roseray.engine.sampler import Sampler, apply_penalties
+from roseray.layers import fused
 from roseray.sampling_params import SamplingParams
 
 EOS = 3
@@ -423,3 +424,18 @@ def test_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token():
     apply_top_k_top_p(logits, None, _torch.tensor([5e-324], dtype=_torch.float32), num_candidates=4)
     kept = _torch.isfinite(logits[0]).nonzero().flatten().tolist()
     assert kept == [1]
+
+
+@pytest.mark.skipif(not fused.HAVE_TRITON, reason="needs Triton")
+def test_warm_up_row_counts_cover_every_kernel_variant():
+    """Sampler.warm_up runs one batch per compiled variant of the fused kernels: every batch
+    size up to the maximum must need a variant one of those row counts compiled."""
+    import triton
+
+    from roseray_kernels.sampling import split_columns, variant_row_counts
+
+    for max_rows, vocab in ((256, 151936), (128, 50257), (7, 512)):
+        counts = variant_row_counts(max_rows, vocab)
+        key = lambda n: triton.next_power_of_2(triton.cdiv(vocab, split_columns(n, vocab)))  # noqa: E731
+        assert counts[0] == 1 and counts == sorted(set(counts)) and counts[-1] <= max_rows
+        assert {key(n) for n in range(1, max_rows + 1)} == {key(n) for n in counts}

@@ -77,6 +77,8 @@ class LLMEngine:
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, config.max_logprobs,
                                     self.block_manager.num_blocks, config.block_size)
         self.runner.warm_up()
+        if self.device.type == "cuda":
+            self.sampler.warm_up(self.runner.logits_for_warm_up())
         self.runner.capture_cuda_graphs()
         eos = self.model_config.eos_token_ids or [self.tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(t for t in eos if t is not None)

@@ -215,6 +215,13 @@ class ModelRunner:
         torch.cuda.synchronize(d)
         logger.info("kernels warmed up in %.1f s", time.perf_counter() - started)
 
+    @torch.inference_mode()
+    def logits_for_warm_up(self) -> torch.Tensor:
+        """Logits of max_num_seqs rows as the model returns them (dtype, padded row stride):
+        what the sampler compiles its kernels for before the first request."""
+        hidden = torch.zeros(self.max_num_seqs, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        return self.model.compute_logits(hidden)
+
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         mc = self.model_config
         # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]

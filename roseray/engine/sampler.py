@@ -125,6 +125,17 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._prompt_cache = PromptTokenCache()
 
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Compile the fused sampling kernels for every variant that batches of up to
+        `logits.shape[0]` rows of logits like these (dtype, row stride) launch: Triton compiles at
+        the first launch, which on a fresh machine cost the first W-nano run ~0.7 s."""
+        if not (logits.is_cuda and fused.HAVE_TRITON and self.fused is not False and logits.stride(1) == 1):
+            return
+        seed = torch.zeros(1, dtype=torch.int64, device=logits.device)
+        for num_rows in fused.variant_row_counts(logits.shape[0], logits.shape[1]):
+            temperatures = torch.ones(num_rows, dtype=torch.float32, device=logits.device)
+            fused.gumbel_max_sample(logits[:num_rows], temperatures, seed)
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.launch(logits, requests).result()
 
