@@ -122,6 +122,15 @@ def encode_step(deltas: list[RequestDelta], stats: list, error: str | None,
                     error])
 
 
+def _new_error(engine, reported: BaseException | None) -> tuple[str | None, BaseException | None]:
+    """(the repr of the engine's last error, that error) when it is not `reported` yet;
+    else (None, reported): each failed step's error goes to the clients once."""
+    error = engine.last_error
+    if error is not None and error is not reported:
+        return repr(error), error
+    return None, reported
+
+
 def _stats(engine) -> list:
     s = engine.get_stats()
     return [getattr(s, name) for name in _STATS_FIELDS]
@@ -142,10 +151,7 @@ def serve_engine(engine, commands: Connection, outputs: Connection) -> None:
         if not engine.has_unfinished_requests():
             continue
         deltas = engine.step()
-        error = engine.last_error
-        error_text = None
-        if error is not None and error is not last_error:
-            last_error, error_text = error, repr(error)
+        error_text, last_error = _new_error(engine, last_error)
         send(encode_step(deltas, _stats(engine), error_text))
 
 
@@ -245,10 +251,7 @@ def serve_clients(engine, clients: list[SharedEngineClient]) -> None:
         if not engine.has_unfinished_requests():
             continue
         deltas = engine.step()
-        error = engine.last_error
-        error_text = None
-        if error is not None and error is not last_error:
-            last_error, error_text = error, repr(error)
+        error_text, last_error = _new_error(engine, last_error)
         stats = _stats(engine)
         groups: dict[SharedEngineClient, tuple[list, list]] = {}
         for delta in deltas:
