@@ -4,6 +4,7 @@ FastAPI app served by `roseray serve`, one engine, `--api-processes` API process
 front of it, `--client-processes` client processes), in one run.
 
     python scripts/http_vs_inprocess.py [--model random:gpt2] [--api-processes 2] [--out result.json]
+    bash scripts/ray_vs_inprocess.sh        # the same through the Ray Serve app (--server-port, --against-http)
 
 Needs aiohttp and the serving dependencies (FastAPI, uvicorn: the GPU host's bundle).
 """
@@ -114,6 +115,22 @@ def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api
         server.wait(60)
 
 
+def compare(http: dict, inproc: dict, label: str) -> dict:
+    """The HTTP run against the in-process one: the issue's two ratios, printed and returned."""
+    ratio = http["throughput_tok_s"] / inproc["throughput_tok_s"]
+    itl_over_step = http["itl_ms"]["p50"] / inproc["tpot_ms"]["p50"]
+    chunk_gap_over_step = http["chunk_gap_ms"]["p50"] / inproc["tpot_ms"]["p50"]
+    print(f"in-process {inproc['throughput_tok_s']:,.0f} tok/s (TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms); "
+          f"HTTP {http['throughput_tok_s']:,.0f} tok/s = {ratio:.0%}; HTTP ITL p50 {http['itl_ms']['p50']:.2f} ms "
+          f"= {itl_over_step:.2f}x the engine step; HTTP TTFT p50 {http['ttft_ms']['p50']:.1f} ms, "
+          f"ITL p99 {http['itl_ms']['p99']:.2f} ms; HTTP TPOT p50 {http['tpot_ms']['p50']:.2f} ms; "
+          f"{http['gaps_under_50us_fraction']:.0%} of gaps < 50 us (events that arrived together); "
+          f"chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms = {chunk_gap_over_step:.2f}x the step, "
+          f"{http['events_per_chunk']:.2f} events per chunk; {label}")
+    return {"in_process": inproc, "http": http, "http_over_in_process": ratio,
+            "http_itl_p50_over_engine_step": itl_over_step, "http_chunk_gap_p50_over_engine_step": chunk_gap_over_step}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="random:gpt2")
@@ -122,25 +139,29 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--client-processes", type=int, default=4, help="client processes sharing the streams")
     parser.add_argument("--api-processes", type=int, default=1, help="`roseray serve --api-processes`")
+    parser.add_argument("--server-port", type=int, default=None,
+                        help="measure the server already listening here (e.g. the Ray Serve app) and write the "
+                             "HTTP half only; compare later with --against-http")
+    parser.add_argument("--against-http", default=None,
+                        help="a --server-port run's JSON: run the in-process half now and compare with it")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    # HTTP first: the server process must find the GPU free (each engine sizes its KV
-    # cache from the memory left), and the in-process engine runs after it has exited.
-    http = run_http(args.model, args.num_requests, args.max_tokens, args.port, args.client_processes,
-                    args.api_processes)
-    inproc = run_seed(args.model, args.num_requests, {})
-    ratio = http["throughput_tok_s"] / inproc["throughput_tok_s"]
-    itl_over_step = http["itl_ms"]["p50"] / inproc["tpot_ms"]["p50"]
-    chunk_gap_over_step = http["chunk_gap_ms"]["p50"] / inproc["tpot_ms"]["p50"]
-    result = {"in_process": inproc, "http": http, "http_over_in_process": ratio,
-              "http_itl_p50_over_engine_step": itl_over_step, "http_chunk_gap_p50_over_engine_step": chunk_gap_over_step}
-    print(f"in-process {inproc['throughput_tok_s']:,.0f} tok/s (TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms); "
-          f"HTTP {http['throughput_tok_s']:,.0f} tok/s = {ratio:.0%}; HTTP ITL p50 {http['itl_ms']['p50']:.2f} ms "
-          f"= {itl_over_step:.2f}x the engine step; HTTP TTFT p50 {http['ttft_ms']['p50']:.1f} ms, "
-          f"ITL p99 {http['itl_ms']['p99']:.2f} ms; HTTP TPOT p50 {http['tpot_ms']['p50']:.2f} ms; "
-          f"{http['gaps_under_50us_fraction']:.0%} of gaps < 50 us (events that arrived together); "
-          f"chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms = {chunk_gap_over_step:.2f}x the step, "
-          f"{http['events_per_chunk']:.2f} events per chunk; {args.api_processes} API process(es)")
+    if args.server_port is not None:
+        http = _clients(args.server_port, args.model, args.num_requests, args.max_tokens, args.client_processes)
+        result = {"http": {**http, "server_port": args.server_port}}
+        print(f"HTTP {http['throughput_tok_s']:,.0f} tok/s, TTFT p50 {http['ttft_ms']['p50']:.1f} ms, "
+              f"chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms, {http['events_per_chunk']:.2f} events per chunk")
+    elif args.against_http is not None:
+        with open(args.against_http) as f:
+            http = json.load(f)["http"]
+        result = compare(http, run_seed(args.model, args.num_requests, {}), f"server on port {http['server_port']}")
+    else:
+        # HTTP first: the server process must find the GPU free (each engine sizes its KV
+        # cache from the memory left), and the in-process engine runs after it has exited.
+        http = run_http(args.model, args.num_requests, args.max_tokens, args.port, args.client_processes,
+                        args.api_processes)
+        result = compare(http, run_seed(args.model, args.num_requests, {}),
+                         f"{args.api_processes} API process(es)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

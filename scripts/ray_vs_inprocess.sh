@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 4's measurement through the Ray Serve app: one engine replica of serve_config.yaml
+# (HAProxy -> the Router picks the replica -> the replica's own HTTP server streams), 128
+# W-seed-like streams from scripts/http_vs_inprocess.py, then, with Ray stopped and the GPU
+# free, the same requests on the in-process engine; one comparison line and JSON in $OUT.
+#
+#   source .gpubundle/activate.sh                        # on the GPU host
+#   OUT=$OUT bash scripts/ray_vs_inprocess.sh
+# CPU smoke run: MODEL=random:gpt2 GPUS=0 ENGINE='{"num_kv_blocks": 256}' NUM_REQUESTS=4 MAX_TOKENS=4 ...
+set -uo pipefail
+set -m  # background jobs keep SIGINT: `serve run` stops cleanly
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench_results/ray_vs_inprocess}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+MODEL=${MODEL:-random:gpt2}; MAXLEN=${MAXLEN:-1024}; GPUS=${GPUS:-1}; ENGINE=${ENGINE:-'{}'}
+NUM_REQUESTS=${NUM_REQUESTS:-128}; MAX_TOKENS=${MAX_TOKENS:-128}
+MAX_NUM_SEQS=${MAX_NUM_SEQS:-$NUM_REQUESTS}; MAX_WAITING=${MAX_WAITING:-1024}
+PORT=${PORT:-8000}; START_TIMEOUT=${START_TIMEOUT:-180}; MAXID=${MAXID:-10000}; LONG_TOKENS=${LONG_TOKENS:-64}
+export PYTHONUNBUFFERED=1 PORT MODEL MAXLEN GPUS ENGINE MAX_NUM_SEQS MAX_WAITING  # read by write_config
+
+python -c "import roseray_kernels" 2>/dev/null \
+    || python -m pip install --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "install failed"
+eval "$(python -m roseray.serve.haproxy_env)"
+source scripts/ray_app.sh
+trap 'stop_server' EXIT
+trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left behind
+
+sizes=(--model "$MODEL" --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS")
+start_server ray 1 kv_queue || exit 1
+python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --out "$OUT/ray_http.json" \
+    || { echo "the HTTP half failed"; exit 1; }
+stop_server
+python scripts/http_vs_inprocess.py "${sizes[@]}" --against-http "$OUT/ray_http.json" \
+    --out "$OUT/ray_vs_inprocess.json" 2>&1 | grep -v " INFO "
