@@ -7,7 +7,8 @@ each step's deltas encoded as a step message), without syncs, and reports per de
     near 0 means the GPU waits on the host, near wall - host work means the host waits on
     the GPU;
   - host: wall - wait, the host's own work per step;
-  - graph: the decode graph of the batch's bucket replayed back to back (its GPU time alone).
+  - graph: the decode graph of the batch's bucket replayed back to back (its GPU time alone,
+    at the context lengths of the last timed step: longer than the average step's).
 
     python scripts/pipeline_steps.py [--num-seqs 128] [--steps 400]
 """
