@@ -130,7 +130,7 @@ def test_hint_from_body_estimates_blocks_and_chains_prefixes():
 def test_hint_without_a_body_or_with_a_session():
     config = HintConfig()
     assert hint_from_body(b"", None, config) == RoutingHint()
-    assert hint_from_body(b'{"messages": [{"ro', None, config) == RoutingHint()  # truncated by HAProxy
+    assert hint_from_body(b'{"messages": [{"ro', None, config) == RoutingHint()  # cut by HAProxy before the prompt
     session = hint_from_body(b"", "user-42", config)
     assert len(session.prefix_hashes) == 1 and session == hint_from_body(b"", "user-42", config)
 
@@ -163,3 +163,35 @@ def test_the_serve_router_ranks_singletons_and_records_its_pick(hint):
     expected = "big" if hint else "small"
     assert ranks[0][0].replica_id == expected
     assert len(router.policy._picks[expected].picks) == 1
+
+
+@pytest.mark.parametrize("data", [
+    {"prompt": 'a\\b"c\u00e9\u1234d' * 30, "max_tokens": 5},
+    {"prompt": list(range(1000, 1300)), "max_tokens": 3},
+    {"prompt": [list(range(7, 200))], "stream": True},
+    {"model": "m", "messages": [{"role": "user", "content": "x\u00e9y\n" * 40}], "max_tokens": 60},
+])
+def test_hint_from_a_cut_body_keeps_the_prompts_head(data):
+    """HAProxy forwards at most its buffer (RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE) of a
+    body, marked X-Body-Truncated: wherever the cut falls, the hint's chain is a prefix of the
+    whole body's chain (affinity still finds the shared head) and never invalid JSON's default."""
+    config = HintConfig(block_size=16, chars_per_token=1.0, affinity_block_chars=8)
+    body = json.dumps(data).encode()
+    whole = hint_from_body(body, None, config)
+    heads = []
+    for cut in range(1, len(body)):
+        hint = hint_from_body(body[:cut], None, config, f"{cut}/{len(body)}")
+        assert hint.prefix_hashes == whole.prefix_hashes[: len(hint.prefix_hashes)], cut
+        heads.append(len(hint.prefix_hashes))
+    assert heads[-1] >= len(whole.prefix_hashes) - 1 and heads[len(body) // 2] > 0
+
+
+def test_hint_from_a_cut_body_scales_the_prompt_estimate():
+    config = HintConfig(block_size=16, chars_per_token=1.0)
+    body = json.dumps({"prompt": "q" * 4000}).encode()
+    whole = hint_from_body(body, None, config)
+    half = hint_from_body(body[: len(body) // 2], None, config, f"{len(body) // 2}/{len(body)}")
+    assert abs(half.need_blocks - whole.need_blocks) <= 1  # ~2000 characters seen, scaled by 2
+    unmarked = hint_from_body(body[: len(body) // 2], None, config)  # no header: what arrived is all
+    assert unmarked.need_blocks <= whole.need_blocks // 2 + 1
+    assert hint_from_body(body[:100], None, config, "100/oops").need_blocks == 6  # 89 characters, unscaled

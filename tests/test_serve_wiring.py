@@ -99,6 +99,16 @@ def test_haproxy_env_names_flags_serve_reads(tmp_path):
         assert hasattr(serve_constants, name), f"Serve no longer reads {name}"
 
 
+def test_haproxy_env_bounds_the_router_body_buffer(tmp_path):
+    """Ray's 8 MiB tune.bufsize with forwarded bodies costs HAProxy ~1-3 ms per request of a
+    burst (scripts/ray_burst_probe.py); roseray sets 64 KiB, only when bodies are forwarded."""
+    name = "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"
+    assert serve_constants.RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE == 8 * 1024 * 1024  # Ray's default
+    assert haproxy_env.haproxy_env(str(tmp_path / "hap"))[name] == str(64 * 1024)
+    assert haproxy_env.haproxy_env(str(tmp_path / "hap"), router_body_bytes=1 << 20)[name] == str(1 << 20)
+    assert name not in haproxy_env.haproxy_env(str(tmp_path / "hap"), forward_body=False)
+
+
 def test_build_app_refuses_without_haproxy(monkeypatch):
     monkeypatch.setattr(serve_constants, "RAY_SERVE_ENABLE_HA_PROXY", False)
     with pytest.raises(RuntimeError, match="RAY_SERVE_ENABLE_HA_PROXY=1"):

@@ -118,8 +118,9 @@ class RouterDeployment:
             if self.policy == "power_of_two":
                 pick = await pick_with_reservation(self.engine)
             else:
-                hint = hint_from_body(await request.body(), request.headers.get(wiring.SESSION_HEADER),
-                                      self.hint_config)
+                headers = request.headers
+                hint = hint_from_body(await request.body(), headers.get(wiring.SESSION_HEADER), self.hint_config,
+                                      headers.get(wiring.BODY_TRUNCATED_HEADER))
                 pick = await wiring.pick_replica(self.engine, hint)
         except RuntimeError as error:
             return JSONResponse({"detail": str(error)}, status_code=503)

@@ -11,6 +11,14 @@ What it sets:
   RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1   the router sees the body (prefix affinity);
                                                     --no-forward-body saves the buffering (then only
                                                     an `x-session-id` header gives affinity)
+  RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE=65536
+                                                    with the body forwarded: HAProxy's tune.bufsize, i.e.
+                                                    how much of a body the router sees (Ray's default,
+                                                    8 MiB, makes every request's buffers cost ~1-3 ms of
+                                                    HAProxy time: a burst of 128 waited 420 ms (p50) for
+                                                    what takes 120 ms at 64 KiB, scripts/ray_burst_probe.py).
+                                                    Longer bodies reach the router cut, with
+                                                    X-Body-Truncated; the engine still gets all of it
   RAY_SERVE_HAPROXY_BINARY_PATH=<dir>/haproxy       a wrapper around Ray's bundled HAProxy that binds
                                                     the stats page (8404) and Prometheus exporter (9101)
                                                     on 127.0.0.1 (Ray's template binds them on every
@@ -40,6 +48,13 @@ import sys
 # no answer has produced nothing, and running it again has no side effect. With
 # `option redispatch` (Ray's template) the retry goes to another replica.
 RETRY_ON = "conn-failure empty-response"
+
+# How much of a request body HAProxy buffers and forwards to the Router (its tune.bufsize).
+# Prefix affinity hashes at most 64 blocks of 256 prompt characters (or 64 token ids), ~16-24 KiB
+# of JSON; a longer body reaches the Router cut (routing.hint_from_body reads the prompt's head
+# and scales the size estimate by X-Body-Truncated). The buffer size is a per-request cost in
+# HAProxy: at Ray's default of 8 MiB a burst of 128 streams queued ~3 ms per request.
+ROUTER_BODY_BYTES = 64 * 1024
 
 _WRAPPER = r'''#!{python}
 # Written by roseray.serve.haproxy_env: exec Ray's HAProxy after moving the stats and
@@ -93,7 +108,8 @@ def write_wrapper(state_dir: str, real_binary: str | None = None) -> str:
     return path
 
 
-def haproxy_env(state_dir: str | None = None, forward_body: bool = True) -> dict[str, str]:
+def haproxy_env(state_dir: str | None = None, forward_body: bool = True,
+                router_body_bytes: int = ROUTER_BODY_BYTES) -> dict[str, str]:
     """Write the wrapper into `state_dir` and return the variables to export."""
     state_dir = state_dir or f"/tmp/roseray-haproxy-{os.getuid()}"
     env = {
@@ -107,6 +123,7 @@ def haproxy_env(state_dir: str | None = None, forward_body: bool = True) -> dict
     }
     if forward_body:
         env["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] = "1"
+        env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"] = str(router_body_bytes)
     return env
 
 
@@ -116,8 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="HAProxy state directory (default /tmp/roseray-haproxy-<uid>)")
     parser.add_argument("--no-forward-body", dest="forward_body", action="store_false",
                         help="do not forward request bodies to the router (no prefix affinity)")
+    parser.add_argument("--router-body-bytes", type=int, default=ROUTER_BODY_BYTES,
+                        help="HAProxy's buffer size: how much of a body the router sees; bigger costs HAProxy "
+                             "time per request (default: %(default)s)")
     args = parser.parse_args(argv)
-    for name, value in haproxy_env(args.dir, args.forward_body).items():
+    if args.router_body_bytes < 16384:
+        parser.error("--router-body-bytes must be at least 16384 (HAProxy's buffer holds the request headers too)")
+    for name, value in haproxy_env(args.dir, args.forward_body, args.router_body_bytes).items():
         print(f"export {name}={shlex.quote(value)}")
     return 0
 

@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -67,16 +68,21 @@ def _chain(parts: Iterable[bytes]) -> tuple[int, ...]:
     return tuple(hashes)
 
 
-def hint_from_body(body: bytes, session_id: str | None, config: HintConfig) -> RoutingHint:
+def hint_from_body(body: bytes, session_id: str | None, config: HintConfig,
+                   truncated: str | None = None) -> RoutingHint:
     """A RoutingHint from the (possibly truncated) OpenAI body HAProxy forwarded, or from
-    a session id; the default hint when neither says anything."""
-    try:
-        data = json.loads(body) if body else None
-    except ValueError:  # not JSON, or cut by HAProxy's buffer
-        data = None
+    a session id; the default hint when neither says anything.
+
+    `truncated`: HAProxy's X-Body-Truncated header ("<forwarded>/<full>" bytes) when the body
+    was longer than its buffer: the JSON is then closed where it was cut (the prompt's head
+    still gives the affinity chain) and the prompt-size estimate is scaled to the full body."""
+    data, parsed = _loads_or_head(body)
     if not isinstance(data, dict):
         data = {}
     raw, size, prompt_tokens = _prompt_bytes(data, config)
+    scale = _truncation_scale(truncated, parsed, len(body))
+    if scale > 1.0:
+        prompt_tokens = math.ceil(prompt_tokens * scale)
     max_tokens = next((data[key] for key in ("max_completion_tokens", "max_tokens")
                        if isinstance(data.get(key), int) and data[key] > 0), 0)
     prefix_hashes: tuple[int, ...] = ()
@@ -87,6 +93,118 @@ def hint_from_body(body: bytes, session_id: str | None, config: HintConfig) -> R
         prefix_hashes = _chain(blocks)
     need_blocks = max(1, math.ceil((prompt_tokens + max_tokens) / config.block_size))
     return RoutingHint(need_blocks=need_blocks, prefix_hashes=prefix_hashes)
+
+
+def _truncation_scale(header: str | None, parsed: int, received: int) -> float:
+    """The full body's size (X-Body-Truncated: "<forwarded>/<full>", else what arrived) over
+    the bytes the hint was read from; 1.0 when all of it was read."""
+    full = received
+    if header:
+        try:
+            full = max(received, int(header.partition("/")[2]))
+        except ValueError:
+            pass
+    return max(1.0, full / parsed) if parsed > 0 else 1.0
+
+
+# JSON tokens: a string, an unterminated string running to the end (a cut body), punctuation,
+# a number or literal. Whitespace between tokens is skipped by finditer.
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"[^"\\]*(?:\\.[^"\\]*)*\\?\Z|[\[\]{},:]|[^\s\[\]{},:"]+')
+_HEX_TAIL = re.compile(r'u[0-9a-fA-F]{0,3}\Z')
+MAX_HEAD_CHARS = 32 * 1024  # of a cut body, what is parsed: more than the affinity chain can use
+
+
+def _loads_or_head(body: bytes) -> tuple[Any, int]:
+    """(json.loads(body), len(body)); for a body cut short (HAProxy forwards at most its
+    buffer), the JSON of its first MAX_HEAD_CHARS up to the last complete value, its open
+    string, arrays and objects closed, and how many bytes that read: the prompt's head
+    survives a cut inside the prompt. (None, 0) when nothing usable is left."""
+    if not body:
+        return None, 0
+    try:
+        return json.loads(body), len(body)
+    except ValueError:
+        pass
+    text = body[:MAX_HEAD_CHARS].decode("utf-8", errors="ignore")
+    closed = _close_json_head(text)
+    if closed is None:
+        return None, 0
+    try:
+        return json.loads(closed), min(len(body), MAX_HEAD_CHARS)
+    except ValueError:
+        return None, 0
+
+
+def _close_json_head(text: str) -> str | None:
+    """`text` (a JSON document cut short) cut back to its last complete value and closed.
+
+    A cut inside a string value keeps the string's head (less a half escape); a cut inside
+    a key, a number or a literal drops that member or element."""
+    stack: list[str] = []  # open "{" / "["
+    expect_key: list[bool] = []  # per open container: an object's next string is a key
+    cut = None  # (index, open containers there) just after the last complete value
+    for match in _JSON_TOKEN.finditer(text):
+        token, end = match.group(), match.end()
+        c = token[0]
+        if c == '"':
+            is_key = bool(stack) and stack[-1] == "{" and expect_key[-1]
+            if len(token) == 1 or token[-1] != '"' or end == len(text) and _unterminated(token):
+                if is_key or not stack:
+                    break
+                return text[:match.start()] + _drop_half_escape(token) + '"' + _closers(stack)
+            if stack and not is_key:
+                cut = (end, tuple(stack))
+        elif c in "{[":
+            stack.append(c)
+            expect_key.append(c == "{")
+        elif c in "}]":
+            if not stack:
+                return None
+            stack.pop()
+            expect_key.pop()
+            if not stack:
+                return text[:end]
+            cut = (end, tuple(stack))
+        elif c == ",":
+            if stack and stack[-1] == "{":
+                expect_key[-1] = True
+        elif c == ":":
+            if stack and stack[-1] == "{":
+                expect_key[-1] = False
+        else:  # a number or a literal: complete only if something follows it
+            if end == len(text):
+                break
+            if stack:
+                cut = (end, tuple(stack))
+    if cut is None:
+        return None
+    index, open_stack = cut
+    return text[:index] + _closers(list(open_stack))
+
+
+def _drop_half_escape(head: str) -> str:
+    """An unterminated string's head less a trailing half escape (a lone backslash, or a
+    backslash-u with fewer than four hex digits), so that a closing quote ends it."""
+    unicode_head = _HEX_TAIL.search(head[-4:])
+    end = len(head) - (len(unicode_head.group()) if unicode_head else 0)
+    run = end - len(head[:end].rstrip("\\"))
+    if run % 2 == 1:  # the last backslash escapes what was cut off
+        return head[:end - 1]
+    return head
+
+
+def _unterminated(token: str) -> bool:
+    """Whether a string token that ends the text lacks its closing quote (its last quote
+    is escaped by an odd run of backslashes, or it is the opening quote itself)."""
+    body = token[1:]
+    if not body.endswith('"'):
+        return True
+    run = len(body) - 1 - len(body[:-1].rstrip("\\"))
+    return run % 2 == 1
+
+
+def _closers(stack: list[str]) -> str:
+    return "".join("}" if c == "{" else "]" for c in reversed(stack))
 
 
 def _prompt_bytes(data: dict, config: HintConfig) -> tuple[bytes, int, int]:

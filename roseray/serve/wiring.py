@@ -11,6 +11,8 @@ tests/test_serve_wiring.py fails loudly when an upgrade moves any of them:
     RequestRouter without dispatching or reserving a slot;
   * `ReplicaSelection._replica` -> RunningReplica.backend_http_endpoint and
     `replica_id.to_full_id_str()` name the replica in the /internal/route answer;
+  * HAProxy forwards at most tune.bufsize (RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE)
+    of a body to the router, with `X-Body-Truncated: <forwarded>/<full>` when it cut it;
   * the answer's `request_headers` field (applied by HAProxy after it strips every
     client-sent `x-serve-router-*` header) carries roseray's ticket;
   * `RAY_SERVE_ENABLE_HA_PROXY`, read by Serve at import time in every process;
@@ -35,6 +37,8 @@ ROUTE_PATH = "/internal/route"
 HEADERS_FIELD = serve_constants.RAY_SERVE_INGRESS_REQUEST_ROUTER_OPT_HEADERS_FIELD  # "request_headers"
 ROUTER_HEADER_PREFIX = serve_constants.SERVE_INGRESS_ROUTER_HEADER_PREFIX  # "x-serve-router-"
 SESSION_HEADER = serve_constants.SERVE_SESSION_ID  # forwarded by HAProxy to /internal/route
+# set by HAProxy's Lua on /internal/route when the body was longer than its buffer: "<forwarded>/<full>"
+BODY_TRUNCATED_HEADER = "x-body-truncated"
 
 HAPROXY_REQUIRED = (
     "roseray's Ray Serve app runs in Ray Serve's HAProxy mode: RAY_SERVE_ENABLE_HA_PROXY=1 must be in the "
