@@ -33,11 +33,6 @@ SERVE_CONFIG = REPO / "serve_config.yaml"
 
 APP_LABEL = {"app.kubernetes.io/name": "roseray"}
 PORT_RANGE_VARS = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
-# Exported by roseray.serve.haproxy_env but not yet in deploy/Dockerfile (deploy/ has another
-# owner): HAProxy's router body buffer (64 KiB instead of Ray's 8 MiB, see haproxy_env.py). The
-# image runs with Ray's 8 MiB until the Dockerfile sets it; then it must equal the serving env.
-# Remove a name from here once the Dockerfile has it.
-PENDING_IMAGE_VARS = ("RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE",)
 # What the manifest sets on top of the image's serving env, each for a reason in its comments.
 MANIFEST_EXTRA_ENV = {"RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S", "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS"}
 HAPROXY_SIDE_PORTS = (serve_constants.RAY_SERVE_HAPROXY_STATS_PORT, serve_constants.RAY_SERVE_HAPROXY_METRICS_PORT)
@@ -300,10 +295,7 @@ def test_image_env_is_the_serving_env(dockerfile, tmp_path):
     ray_env = {k: v for k, v in env.items() if k.startswith("RAY_")}
     state_dir = image_haproxy_dir(env)
     expected = serving_env(state_dir, tmp_path)
-    for name in PENDING_IMAGE_VARS:
-        assert ray_env.get(name, expected[name]) == expected[name]
-    assert ({k: ray_env[k] for k in ray_env if k not in PORT_RANGE_VARS + PENDING_IMAGE_VARS}
-            == {k: v for k, v in expected.items() if k not in PENDING_IMAGE_VARS})
+    assert {k: ray_env[k] for k in ray_env if k not in PORT_RANGE_VARS} == expected
     low, high = (int(ray_env[k]) for k in PORT_RANGE_VARS)
     assert low < high
     # the RUN that writes the HAProxy wrapper uses that directory, as the runtime user
