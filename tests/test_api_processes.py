@@ -37,17 +37,21 @@ class Server:
              "--drain-timeout", "2"], env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.num_requests = 0  # generation requests that finished, for the metrics test
         deadline = time.monotonic() + 90
+        ready = set()  # the API processes that answered /ready (each listens once its app is up)
         while True:
             assert self.process.poll() is None, self.output()
             match = PIDS.search(self.output())
             if match:
                 try:
-                    if all(httpx.get(self.url + "/ready", timeout=2).status_code == 200 for _ in range(4)):
-                        break
+                    r = httpx.get(self.url + "/ready", timeout=2)  # a new connection: either process
+                    if r.status_code == 200:
+                        ready.add(r.headers["x-roseray-replica"].rpartition("/")[2])
                 except httpx.HTTPError:
                     pass
+                if ready == {"api0", "api1"}:
+                    break
             assert time.monotonic() < deadline, "the server did not become ready:\n" + self.output()
-            time.sleep(0.2)
+            time.sleep(0.05)
         self.worker_pids = [int(match.group(1)), int(match.group(2))]
         self.engine_pid = int(match.group(3))
 
