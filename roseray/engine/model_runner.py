@@ -74,6 +74,12 @@ class DecodeLayout:
         self.stride = -(-max_num_seqs // ALIGN) * ALIGN
         self.ids, self.pos, self.slot, self.lens, self.src, self.tables = (i * self.stride for i in range(6))
 
+    def pad(self, buffer, first: int, end: int) -> None:
+        """Rows first..end-1 of the per-row regions of `buffer` (numpy or torch) as padding:
+        slot -1 (nothing written to the cache), length 0, no in-flight source."""
+        for start, value in ((self.ids, 0), (self.pos, 0), (self.slot, -1), (self.lens, 0), (self.src, -1)):
+            buffer[start + first: start + end] = value
+
 
 class StepInputs:
     """Host-side arrays of one step (views into the staging buffer) plus bookkeeping."""
@@ -326,8 +332,7 @@ class ModelRunner:
         end = lay.tables + num_rows * num_block_cols
         host[lay.tables: lay.tables + num_seqs * num_block_cols] = tables.reshape(-1)
         if num_rows > num_seqs:  # padding rows
-            for start, value in ((lay.ids, 0), (lay.pos, 0), (lay.slot, -1), (lay.lens, 0), (lay.src, -1)):
-                host[start + num_seqs: start + num_rows] = value
+            lay.pad(host, num_seqs, num_rows)
             host[lay.tables + num_seqs * num_block_cols: end] = 0
         return end, num_block_cols, max_seq_len
 
@@ -423,9 +428,7 @@ class ModelRunner:
         started = time.perf_counter()
         max_batch = min(self.max_num_seqs, self.config.cuda_graph_max_batch_size)
         self._buckets = cuda_graph_buckets(max_batch)
-        lay, buf = self.decode_layout, self._device_buffer
-        for start, value in ((lay.ids, 0), (lay.pos, 0), (lay.slot, -1), (lay.lens, 0), (lay.src, -1)):
-            buf[start: start + max_batch] = value  # the capture's own forwards write nothing to the cache
+        self.decode_layout.pad(self._device_buffer, 0, max_batch)  # the capture's forwards write nothing to the cache
         self._g_tables = torch.zeros((max_batch, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
         pool = None
         for bucket in reversed(self._buckets):  # largest first, so later graphs reuse its pool
