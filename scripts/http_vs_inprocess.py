@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import subprocess
@@ -26,7 +27,7 @@ from roseray.bench.common import percentiles
 from roseray.bench.stream import run_seed
 
 
-async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, list[float], int]:
+async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, list[float], int, str]:
     body = {"model": model, "prompt": [15496], "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     sent = time.monotonic()
@@ -41,7 +42,7 @@ async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, l
                 tokens = json.loads(line[6:])["usage"]["completion_tokens"]
             else:
                 times.append(now)
-    return sent, times, tokens
+    return sent, times, tokens, response.headers.get("x-roseray-replica", "")
 
 
 async def _client_streams(port: int, model: str, n: int, max_tokens: int, barrier) -> list:
@@ -89,7 +90,9 @@ def _clients(port: int, model: str, n: int, max_tokens: int, processes: int) -> 
             # events that reached the client together (the server wrote several steps' tokens at once)
             "gaps_under_50us_fraction": float(np.mean(itl < 50e-6)),
             # the gaps between reads that brought tokens (events closer than 50 us count as one chunk)
-            "chunk_gap_ms": ms(itl[itl >= 50e-6]), "events_per_chunk": float(len(itl) / max(1, np.sum(itl >= 50e-6)))}
+            "chunk_gap_ms": ms(itl[itl >= 50e-6]), "events_per_chunk": float(len(itl) / max(1, np.sum(itl >= 50e-6))),
+            # streams per API process (x-roseray-replica): how the connections spread
+            "served_by": dict(collections.Counter(r[3] for r in results).most_common())}
 
 
 def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api_processes: int = 1) -> dict:
@@ -150,7 +153,8 @@ def main() -> None:
         http = _clients(args.server_port, args.model, args.num_requests, args.max_tokens, args.client_processes)
         result = {"http": {**http, "server_port": args.server_port}}
         print(f"HTTP {http['throughput_tok_s']:,.0f} tok/s, TTFT p50 {http['ttft_ms']['p50']:.1f} ms, "
-              f"chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms, {http['events_per_chunk']:.2f} events per chunk")
+              f"chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms, {http['events_per_chunk']:.2f} events per chunk; "
+              f"streams per process {sorted(http['served_by'].values(), reverse=True)}")
     elif args.against_http is not None:
         with open(args.against_http) as f:
             http = json.load(f)["http"]

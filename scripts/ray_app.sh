@@ -2,7 +2,8 @@
 # it (two_replica_sweep.sh, ray_vs_inprocess.sh): write a config, start `serve run` (a local
 # Ray of its own), wait until every replica answers through HAProxy, stop it and wait for the
 # GPUs to be free. Source it after setting OUT PORT MODEL MAXLEN GPUS ENGINE MAX_NUM_SEQS
-# MAX_WAITING START_TIMEOUT MAXID LONG_TOKENS (the warm-up's prompt length).
+# MAX_WAITING START_TIMEOUT MAXID LONG_TOKENS (the warm-up's prompt length); optional:
+# API_PROCS (api_processes_per_replica), ROUTERS (router.num_replicas).
 url=http://127.0.0.1:$PORT
 server=""
 serve_cli=(python -c 'import sys; sys.argv[0] = "serve"; from ray.serve.scripts import cli; cli()')  # `serve`
@@ -26,6 +27,10 @@ engine.update(json.loads(os.environ["ENGINE"]))
 args.update(num_replicas=replicas, num_gpus_per_replica=float(os.environ["GPUS"]),
             drain_timeout_s=5)  # at a phase's end: locust has drained; streams left are cut
 args.setdefault("router", {})["policy"] = policy
+if os.environ.get("API_PROCS"):  # the engine replicas' API processes (default: auto, 4 on GPU)
+    args["api_processes_per_replica"] = int(os.environ["API_PROCS"])
+if os.environ.get("ROUTERS"):  # Router replicas (HAProxy's Lua takes turns between them)
+    args["router"]["num_replicas"] = int(os.environ["ROUTERS"])
 EngineConfig(**AppArgs(**args).engine)  # fail here, not in a replica
 with open(path, "w") as f:
     yaml.safe_dump(config, f, sort_keys=False)

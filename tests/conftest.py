@@ -57,7 +57,8 @@ def free_port() -> int:
 
 
 def _run_ray_cluster(cfg: dict) -> None:
-    """The subprocess side: Ray, serve_config.yaml's app with two CPU replicas of random:tiny."""
+    """The subprocess side: Ray, serve_config.yaml's app with two CPU replicas of random:tiny
+    (cfg["args"]: app args on top of those, cfg["args"]["engine"] engine fields on top of RAY_ENGINE)."""
     import ray
     import yaml
     from ray import serve
@@ -73,6 +74,9 @@ def _run_ray_cluster(cfg: dict) -> None:
     args["engine"].update(RAY_ENGINE)
     args.update(num_replicas=2, num_cpus_per_replica=1, drain_timeout_s=1)
     args["router"]["stats_period_s"] = RAY_STATS_PERIOD_S
+    overrides = dict(cfg.get("args", {}))
+    args["engine"].update(overrides.pop("engine", {}))
+    args.update(overrides)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              _temp_dir=cfg["ray_tmp"])
     serve.start(http_options={**config["http_options"], "port": cfg["port"]},
@@ -119,7 +123,8 @@ def _run_ray_cluster(cfg: dict) -> None:
 class RayServeCluster:
     """The test side of the shared cluster."""
 
-    def __init__(self) -> None:
+    def __init__(self, args: dict | None = None) -> None:
+        """`args`: app args over the shared cluster's (tests/test_serve_api_processes.py)."""
         from roseray.serve.haproxy_env import haproxy_env
 
         self.state_dir = tempfile.mkdtemp(prefix="rrh", dir="/tmp")  # short: HAProxy's unix socket paths
@@ -135,7 +140,8 @@ class RayServeCluster:
         env.pop("RAY_ADDRESS", None)
         self.log = open(os.path.join(self.ray_tmp, "cluster.log"), "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), json.dumps({"port": self.port, "ray_tmp": self.ray_tmp})],
+            [sys.executable, os.path.abspath(__file__), json.dumps({"port": self.port, "ray_tmp": self.ray_tmp,
+                                                              "args": args or {}})],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self._lines: queue.Queue = queue.Queue()
         self._lock = threading.Lock()

@@ -30,10 +30,12 @@ from ray.serve.handle import DeploymentHandle
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
 from roseray.serve import wiring
+from roseray.serve.replica_api_processes import ReplicaAPIProcesses, start_shared_engine
 from roseray.serve.routing import HintConfig, KVQueueRequestRouter, hint_from_body
 from roseray.serve.ticket import REQUEST_ID_HEADER, TICKET_HEADER, TicketSigner, new_secret
 from roseray.server.api import create_app
 from roseray.server.body_limit import DEFAULT_MAX_BODY_BYTES
+from roseray.server.metrics_share import MetricsShare
 
 API_KEY_ENV = "ROSERAY_API_KEY"
 
@@ -55,22 +57,40 @@ class EngineDeployment:
     def __init__(self, engine_config: dict, ticket_secret: str, served_model_name: str | None = None,
                  api_key: str | None = None, drain_timeout_s: float = 30.0, stuck_after_s: float = 60.0,
                  log_requests: bool = False, cors_origins: list[str] | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self.engine = AsyncLLMEngine.from_engine_config(EngineConfig(**engine_config), stuck_after_s=stuck_after_s)
-        self.engine.start()
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_processes: int = 1) -> None:
+        config = EngineConfig(**engine_config)
         self.tickets = TicketSigner(ticket_secret)
         context = serve.get_replica_context()
         self.replica_name = f"{context.deployment}#{context.replica_id.unique_id}"
-        llm = self.engine.engine
         api_key = resolve_api_key(api_key)
+        settings = dict(served_model_name=served_model_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
+                        log_requests=log_requests, cors_origins=list(cors_origins or ()), max_body_bytes=max_body_bytes)
+        self.api_processes: ReplicaAPIProcesses | None = None
+        metrics_share = None
+        if api_processes > 1:  # API processes take over the replica's port (replica_api_processes.py)
+            self.engine, self.api_processes = start_shared_engine(
+                config, api_processes, stuck_after_s=stuck_after_s, app_name=context.app_name,
+                settings={**settings, "replica_name": self.replica_name, "ticket_secret": ticket_secret,
+                          "log_level": "warning"})
+            metrics_share = MetricsShare(self.api_processes.metrics_dir, 0)
+        else:
+            self.engine = AsyncLLMEngine.from_engine_config(config, stuck_after_s=stuck_after_s)
+        self.engine.start()
+        llm = self.engine.engine
         self._app_kwargs = dict(model_name=served_model_name or llm.model_name, max_model_len=llm.max_model_len,
                                 replica_name=self.replica_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
                                 log_requests=log_requests, max_logprobs=llm.config.max_logprobs,
-                                cors_origins=tuple(cors_origins or ()), max_body_bytes=max_body_bytes)
+                                cors_origins=tuple(cors_origins or ()), max_body_bytes=max_body_bytes,
+                                metrics_share=metrics_share)
+        if self.api_processes is not None:
+            self.api_processes.start()  # once Serve's server listens, after this constructor
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self.engine, self.engine.engine.tokenizer, request_guard=self._check_ticket,
-                          **self._app_kwargs)
+        app = create_app(self.engine, self.engine.engine.tokenizer, request_guard=self._check_ticket,
+                         **self._app_kwargs)
+        if self.api_processes is not None:
+            app.router.lifespan_context = self.api_processes.around_lifespan(app.router.lifespan_context)
+        return app
 
     def _check_ticket(self, request: Request) -> str | None:
         if wiring.came_through_serve_proxy(request.scope):
@@ -85,6 +105,8 @@ class EngineDeployment:
 
     def check_health(self) -> None:
         self.engine.check_health()
+        if self.api_processes is not None:
+            self.api_processes.check()
 
     async def check_integrity(self) -> dict[str, Any]:
         """The engine's KV accounting check, run between two steps (through a DeploymentHandle:
@@ -168,6 +190,11 @@ class AppArgs(BaseModel):
     num_replicas: int | Literal["auto"] = "auto"  # "auto": one per GPU in the cluster, or 1 without GPUs
     num_gpus_per_replica: float | Literal["auto"] = "auto"  # "auto": 1 when the cluster has GPUs, else 0
     num_cpus_per_replica: float = 1.0
+    # processes that write each engine replica's HTTP streams, on the replica's port: 1 is the replica's
+    # own server; N > 1 starts N API processes that take the port over (serve/replica_api_processes.py).
+    # "auto": 4 on GPU replicas (one process cannot write 128 streams every 0.7 ms step), 1 on CPU.
+    # More than 1 needs the engine in its own process (engine.engine_process; the default on CUDA).
+    api_processes_per_replica: int | Literal["auto"] = "auto"
     served_model_name: str | None = None
     api_key: str | None = None  # or ROSERAY_API_KEY in the engine replicas' environment (kept out of this config)
     cors_origins: list[str] = Field(default_factory=list)  # browser origins allowed to call the API; none by default
@@ -189,6 +216,14 @@ def _placement(args: AppArgs) -> tuple[int, float]:
     return num_replicas, num_gpus
 
 
+def _api_processes(args: AppArgs, num_gpus: float, engine_config: EngineConfig) -> int:
+    if args.api_processes_per_replica == "auto":
+        return 4 if num_gpus and engine_config.engine_process is not False else 1
+    if args.api_processes_per_replica < 1:
+        raise ValueError("api_processes_per_replica must be >= 1")
+    return args.api_processes_per_replica
+
+
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """The roseray application: Engine replicas with the Router as their ingress request router."""
     wiring.check_ray_version()
@@ -197,6 +232,12 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     app_args = AppArgs(**(args or {}))
     engine_config = EngineConfig(**app_args.engine)  # validate here, with a clear error, before any replica starts
     num_replicas, num_gpus = _placement(app_args)
+    api_processes = _api_processes(app_args, num_gpus, engine_config)
+    if api_processes > 1:
+        if engine_config.engine_process is False:
+            raise ValueError(f"api_processes_per_replica={api_processes} needs the engine in its own process: "
+                             "drop engine.engine_process: false, or set api_processes_per_replica: 1")
+        engine_config = dataclasses.replace(engine_config, engine_process=True)
     secret = app_args.ticket_secret or new_secret()
     chars_per_token = app_args.router.chars_per_token or (1.0 if engine_config.model.startswith("random:") else 4.0)
     hint_config = dataclasses.asdict(HintConfig(block_size=engine_config.block_size, chars_per_token=chars_per_token))
@@ -211,7 +252,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         num_replicas=num_replicas,
         ray_actor_options={"num_gpus": num_gpus, "num_cpus": app_args.num_cpus_per_replica},
         max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_waiting_requests + 64,
-        graceful_shutdown_timeout_s=app_args.drain_timeout_s + 5,
+        # the drain, then (API processes) their own uvicorn shutdown and the engine child's exit
+        graceful_shutdown_timeout_s=app_args.drain_timeout_s + (5 if api_processes == 1 else 20),
         health_check_period_s=5.0,
         health_check_timeout_s=30.0,
         request_router_config=RequestRouterConfig(
@@ -221,11 +263,11 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         ),
     ).bind(dataclasses.asdict(engine_config), secret, app_args.served_model_name, app_args.api_key,
            app_args.drain_timeout_s, app_args.stuck_after_s, app_args.log_requests, app_args.cors_origins,
-           app_args.max_body_bytes)
+           app_args.max_body_bytes, api_processes)
     router = RouterDeployment.options(
         num_replicas=app_args.router.num_replicas, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=10_000,
     ).bind(engine, secret, hint_config, app_args.router.policy)
-    logger.info("roseray app: %d engine replica(s) of %s, %s GPU each, router policy %s", num_replicas,
-                engine_config.model, num_gpus, app_args.router.policy)
+    logger.info("roseray app: %d engine replica(s) of %s, %s GPU and %d API process(es) each, router policy %s",
+                num_replicas, engine_config.model, num_gpus, api_processes, app_args.router.policy)
     return wiring.attach_ingress_router(engine, router)

@@ -20,14 +20,24 @@ tests/test_serve_wiring.py fails loudly when an upgrade moves any of them:
     not list yet) is Serve's own proxy on RAY_SERVE_FALLBACK_PROXY_HTTP_PORT, which routes
     through a DeploymentHandle, i.e. through roseray's RequestRouter as well; such requests
     reach the engine's app with the proxy's ASGI scope and no ticket;
-  * (tests and tools) the controller's `get_target_groups` lists replica HTTP ports.
+  * the controller's `get_target_groups` lists replica HTTP ports (tests and tools; an engine
+    replica with API processes finds its own port there, then its listening socket);
+  * Serve's HTTP server in a replica is an asyncio (or uvloop) server on the replica's main
+    loop, whose `close()` stops the accepting and leaves the connections it has
+    (close_serve_listener);
+  * Serve's wrapper answers HAProxy's health check (GET /-/healthz: 200 "success", 503
+    "DRAINING"/"UNHEALTHY") on the replica's port before the app sees it; an API
+    process on that port must answer it the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 from dataclasses import dataclass
 
 import ray
+import uvicorn
 from ray.serve import Application
 from ray.serve._private import constants as serve_constants
 from ray.serve.handle import DeploymentHandle
@@ -39,6 +49,8 @@ ROUTER_HEADER_PREFIX = serve_constants.SERVE_INGRESS_ROUTER_HEADER_PREFIX  # "x-
 SESSION_HEADER = serve_constants.SERVE_SESSION_ID  # forwarded by HAProxy to /internal/route
 # set by HAProxy's Lua on /internal/route when the body was longer than its buffer: "<forwarded>/<full>"
 BODY_TRUNCATED_HEADER = "x-body-truncated"
+HEALTHZ_PATH = "/-/healthz"  # HAProxy's health check of each replica's port (http-check expect status 200)
+HEALTHY_MESSAGE = serve_constants.HEALTHY_MESSAGE  # "success"
 
 HAPROXY_REQUIRED = (
     "roseray's Ray Serve app runs in Ray Serve's HAProxy mode: RAY_SERVE_ENABLE_HA_PROXY=1 must be in the "
@@ -92,6 +104,60 @@ def engine_http_targets(app_name: str) -> list[tuple[str, int]]:
     groups = ray.get(controller.get_target_groups.remote(app_name, True))
     return sorted({(t.ip, t.port) for g in groups if g.app_name == app_name
                    and str(getattr(g.protocol, "value", g.protocol)).upper() == "HTTP" for t in g.targets})
+
+
+def own_http_port(app_name: str) -> int | None:
+    """This replica's HTTP port as the controller lists it for HAProxy, or None while it is not
+    listed yet (the port is bound after the constructor returns). Call from a replica's thread,
+    not its event loop (blocking actor calls)."""
+    actor_name = ray.get_runtime_context().get_actor_name()
+    controller = ray.get_actor(serve_constants.SERVE_CONTROLLER_NAME, namespace=serve_constants.SERVE_NAMESPACE)
+    for group in ray.get(controller.get_target_groups.remote(app_name, True)):
+        if group.app_name == app_name and str(getattr(group.protocol, "value", group.protocol)).upper() == "HTTP":
+            for target in group.targets:
+                if target.name == actor_name:
+                    return target.port
+    return None
+
+
+def close_serve_listener(port: int) -> bool:
+    """Make Serve's HTTP server in this replica stop taking connections on `port`: close its
+    server object (asyncio's or uvloop's, on the replica's main loop), which closes this
+    process's listening handle, and shut its connections down the way uvicorn does when it
+    stops (an idle keep-alive connection now, a busy one after its response): HAProxy then
+    opens new ones, which the API processes accept. Found among the live objects, frozen
+    ones included. False if no such server is found (a Ray upgrade)."""
+    frozen = gc.get_freeze_count() > 0  # objects frozen at start-up (freeze_startup_objects) are not listed
+    if frozen:
+        gc.unfreeze()
+    try:
+        objects = gc.get_objects()
+    finally:
+        if frozen:
+            gc.freeze()
+    listeners, http_servers = [], []
+    for candidate in objects:
+        if isinstance(candidate, uvicorn.Server):
+            http_servers.append(candidate)
+        elif isinstance(candidate, asyncio.AbstractServer) or (
+                type(candidate).__name__ == "Server" and hasattr(candidate, "get_loop")):
+            try:
+                if port in {s.getsockname()[1] for s in candidate.sockets or ()}:
+                    listeners.append(candidate)
+            except (OSError, AttributeError, TypeError, IndexError):
+                continue
+    del objects
+
+    def close(listener) -> None:
+        listener.close()
+        for http_server in http_servers:
+            if any(s is listener for s in http_server.servers):
+                for connection in list(http_server.server_state.connections):
+                    connection.shutdown()
+
+    for listener in listeners:
+        listener.get_loop().call_soon_threadsafe(close, listener)
+    return bool(listeners)
 
 
 def came_through_serve_proxy(scope: dict) -> bool:

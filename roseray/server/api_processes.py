@@ -82,7 +82,8 @@ def run_api_processes(engine_config: EngineConfig, num_processes: int, *, host: 
     workers = []
     try:
         for index, (sock, (commands_fd, outputs_fd)) in enumerate(zip(sockets, pipes)):
-            workers.append(_spawn_worker(index, sock, commands_fd, outputs_fd, lifeline_r, metrics_dir, settings))
+            workers.append(spawn_api_worker("roseray.server.api_worker", index, sock.fileno(), commands_fd, outputs_fd,
+                                            lifeline_r, metrics_dir, settings))
         os.close(lifeline_r)
         logger.info("%d API processes on %s:%d (pids %s), one engine process (pid %d)", num_processes, host, port,
                     " ".join(str(w.pid) for w in workers), engine.pid)
@@ -98,16 +99,21 @@ def run_api_processes(engine_config: EngineConfig, num_processes: int, *, host: 
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _spawn_worker(index: int, sock: socket.socket, commands_fd: int, outputs_fd: int, lifeline_fd: int,
-                  metrics_dir: str, settings: bytes) -> subprocess.Popen:
+def spawn_api_worker(module: str, index: int, socket_fd: int, commands_fd: int, outputs_fd: int, lifeline_fd: int,
+                     metrics_dir: str, settings: bytes, ready_fd: int | None = None) -> subprocess.Popen:
+    """`python -m module` (api_worker.py, or serve/replica_api_worker.py) given its listening
+    socket, its engine pipe pair (closed here: the worker's now), the lifeline's read end,
+    its settings (JSON, written to a pipe: no secrets on the command line) and, optionally,
+    a pipe's write end (closed here) on which it says when it serves."""
     settings_r, settings_w = os.pipe()
-    fds = (sock.fileno(), commands_fd, outputs_fd, settings_r, lifeline_fd)
+    fds = (socket_fd, commands_fd, outputs_fd, settings_r, lifeline_fd) + (() if ready_fd is None else (ready_fd,))
     process = subprocess.Popen(
-        [sys.executable, "-m", "roseray.server.api_worker", "--index", str(index), "--socket-fd", str(fds[0]),
+        [sys.executable, "-m", module, "--index", str(index), "--socket-fd", str(socket_fd),
          "--commands-fd", str(commands_fd), "--outputs-fd", str(outputs_fd), "--settings-fd", str(settings_r),
-         "--lifeline-fd", str(lifeline_fd), "--metrics-dir", metrics_dir],
+         "--lifeline-fd", str(lifeline_fd), "--metrics-dir", metrics_dir,
+         *(() if ready_fd is None else ("--ready-fd", str(ready_fd)))],
         pass_fds=fds, stdin=subprocess.DEVNULL, start_new_session=True)
-    for fd in (commands_fd, outputs_fd, settings_r):  # the worker's now
+    for fd in (commands_fd, outputs_fd, settings_r) + (() if ready_fd is None else (ready_fd,)):  # the worker's now
         os.close(fd)
     with os.fdopen(settings_w, "wb") as f:  # read by the worker at start (a pipe buffer holds it meanwhile)
         f.write(settings)
@@ -137,8 +143,8 @@ class Supervisor:
             failed = self._watch()
             if failed:
                 self._forward(signal.SIGTERM, None)
-            self._wait_workers()
-            self._wait_engine()
+            self.wait_workers()
+            self.wait_engine()
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -159,7 +165,7 @@ class Supervisor:
             time.sleep(POLL_S)
         return False
 
-    def _wait_workers(self) -> None:
+    def wait_workers(self) -> None:
         deadline = time.monotonic() + self.drain_timeout_s + 15.0  # the drain, then uvicorn's own shutdown
         for worker in self.workers:
             try:
@@ -169,7 +175,7 @@ class Supervisor:
                 worker.kill()
                 worker.wait()
 
-    def _wait_engine(self) -> None:
+    def wait_engine(self) -> None:
         try:  # its clients are gone: their pipes ended
             self.engine.wait(ENGINE_EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:

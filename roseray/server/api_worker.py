@@ -25,7 +25,7 @@ from roseray.server.metrics_share import MetricsShare
 from roseray.server.standalone import build_server
 
 
-def _read_all(fd: int) -> bytes:
+def read_all(fd: int) -> bytes:
     chunks = []
     while chunk := os.read(fd, 65536):
         chunks.append(chunk)
@@ -33,8 +33,9 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _stop_when_supervisor_dies(lifeline_fd: int) -> None:
-    """The supervisor holds the lifeline's write end: reading its end means it is gone."""
+def stop_when_parent_dies(lifeline_fd: int) -> None:
+    """The parent (supervisor, or the Ray replica) holds the lifeline's write end: reading
+    its end means it is gone; then SIGTERM this process (it drains)."""
     def watch() -> None:
         os.read(lifeline_fd, 1)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -42,20 +43,26 @@ def _stop_when_supervisor_dies(lifeline_fd: int) -> None:
     threading.Thread(target=watch, name="roseray-lifeline", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="one API process of `roseray serve --api-processes N`")
-    parser.add_argument("--index", type=int, required=True)
-    parser.add_argument("--socket-fd", type=int, required=True, help="the bound listening socket")
+def worker_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments api_processes.spawn_api_worker gives an API process."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--index", type=int, required=True, help="which API process (1..N)")
+    parser.add_argument("--socket-fd", type=int, required=True, help="the listening socket")
     parser.add_argument("--commands-fd", type=int, required=True, help="the engine's command pipe (write end)")
     parser.add_argument("--outputs-fd", type=int, required=True, help="the engine's output pipe (read end)")
     parser.add_argument("--settings-fd", type=int, required=True, help="a pipe holding the settings as JSON")
-    parser.add_argument("--lifeline-fd", type=int, required=True, help="ends when the supervisor is gone")
+    parser.add_argument("--lifeline-fd", type=int, required=True, help="ends when the parent process is gone")
     parser.add_argument("--metrics-dir", required=True, help="where the API processes share request metrics")
-    args = parser.parse_args(argv)
-    settings = json.loads(_read_all(args.settings_fd))
+    parser.add_argument("--ready-fd", type=int, default=None, help="a pipe: one byte once this process serves")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = worker_parser("one API process of `roseray serve --api-processes N`").parse_args(argv)
+    settings = json.loads(read_all(args.settings_fd))
     name = f"api{args.index}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
-    _stop_when_supervisor_dies(args.lifeline_fd)
+    stop_when_parent_dies(args.lifeline_fd)
     config = EngineConfig(**settings.pop("engine"))
     client = EngineProcessClient.connect(config, args.commands_fd, args.outputs_fd)
     # the engine-wide queue (in the engine's stats) is checked against the whole limit in every process

@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
-from roseray.server.api import create_app
+from roseray.server.api import RequestGuard, create_app
 from roseray.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from roseray.server.metrics_share import MetricsShare
 
@@ -30,10 +31,17 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose shutdown first drains the engine (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, drain_timeout_s: float,
+                 on_started: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
+        self.on_started = on_started  # called once the engine runs and the sockets accept
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.on_started is not None and not self.should_exit:
+            self.on_started()
 
     async def shutdown(self, sockets=None) -> None:
         logger.info("draining: new requests get 503; running ones have %.0f s to finish", self.drain_timeout_s)
@@ -49,22 +57,30 @@ def build_server(engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port: int =
                  served_model_name: str | None = None, log_prompts: bool = False, log_requests: bool = False,
                  drain_timeout_s: float = 30.0, log_level: str = "info", cors_origins: Sequence[str] = (),
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, replica_suffix: str = "",
-                 metrics_share: MetricsShare | None = None) -> DrainingServer:
+                 metrics_share: MetricsShare | None = None, replica_name: str | None = None,
+                 request_guard: RequestGuard | None = None,
+                 wrap_app: Callable[[ASGIApp], ASGIApp] | None = None,
+                 on_started: Callable[[], None] | None = None) -> DrainingServer:
     """The uvicorn server of `roseray serve` over an engine that is not started yet.
-    `replica_suffix` and `metrics_share`: one of several API processes (api_worker.py)."""
+    `replica_suffix` and `metrics_share`: one of several API processes (api_worker.py).
+    `replica_name`, `request_guard`, `wrap_app`, `on_started`: an API process of a Ray Serve
+    engine replica (serve/replica_api_worker.py): its name, its ticket check, the probes Serve
+    answers, and how it tells the replica that it serves."""
     llm = engine.engine
     app = create_app(engine, llm.tokenizer, model_name=served_model_name or llm.model_name,
                      max_model_len=llm.max_model_len,
-                     replica_name=f"standalone@{socket.gethostname()}:{port}{replica_suffix}",
-                     api_key=api_key, drain_timeout_s=drain_timeout_s, log_requests=log_requests,
-                     log_prompts=log_prompts, max_logprobs=llm.config.max_logprobs, cors_origins=cors_origins,
-                     max_body_bytes=max_body_bytes, metrics_share=metrics_share)
+                     replica_name=replica_name or f"standalone@{socket.gethostname()}:{port}{replica_suffix}",
+                     api_key=api_key, request_guard=request_guard, drain_timeout_s=drain_timeout_s,
+                     log_requests=log_requests, log_prompts=log_prompts, max_logprobs=llm.config.max_logprobs,
+                     cors_origins=cors_origins, max_body_bytes=max_body_bytes, metrics_share=metrics_share)
+    if wrap_app is not None:
+        app = wrap_app(app)
     if host not in LOOPBACK_HOSTS and not api_key:
         logger.warning("serving on %s without an API key: anyone who reaches this address can use the model", host)
     # the drain happens before uvicorn's own graceful shutdown, which then only closes finished connections
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             lifespan="on")
-    return DrainingServer(config, engine, drain_timeout_s)
+    return DrainingServer(config, engine, drain_timeout_s, on_started)
 
 
 def run_standalone(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
