@@ -5,8 +5,10 @@ through HAProxy (the whole path), then each hop alone.
 
 Legs (each a burst of N sent together over connections opened beforehand, unless said):
   haproxy   POST /v1/completions (stream) to HAProxy's port: TTFT (first data event)
-  route     POST /internal/route to the Router replica's own port, one new connection per
-            request with `Connection: close`, as HAProxy's Lua does: time to the answer
+  route     POST /internal/route to the Router replicas' own ports, one new connection per
+            request with `Connection: close`, round-robin over the Router replicas, as HAProxy's
+            Lua does: time to the answer; `span` is the whole burst's (first send to last
+            answer) and `per_decision` span / N, the Router's cost per decision when they queue
   engine    the same streams straight to the Engine replica's port with a ticket signed
             here (needs the app's ticket_secret): TTFT without HAProxy and the Router
   (--standalone-port P: the same streams to a `roseray serve` on P)
@@ -73,21 +75,24 @@ async def _route_once(host: str, port: int, body: bytes) -> float:
     return time.perf_counter() - sent
 
 
-async def route_burst(host: str, port: int, n: int, max_tokens: int, rounds: int) -> list[dict]:
+async def route_burst(routers: list[tuple[str, int]], n: int, max_tokens: int, rounds: int) -> list[dict]:
     body = json.dumps(dict(BODY, max_tokens=max_tokens)).encode()
-    await asyncio.gather(*[_route_once(host, port, body) for _ in range(8)])
+    await asyncio.gather(*[_route_once(*routers[i % len(routers)], body) for i in range(8 * len(routers))])
     out = []
     for _ in range(rounds):
         await asyncio.sleep(0.5)
-        out.append(_pct(await asyncio.gather(*[_route_once(host, port, body) for _ in range(n)])))
+        start = time.perf_counter()
+        latencies = await asyncio.gather(*[_route_once(*routers[i % len(routers)], body) for i in range(n)])
+        span = time.perf_counter() - start
+        out.append(dict(_pct(latencies), span=round(span * 1000.0, 1), per_decision=round(span * 1000.0 / n, 3)))
     return out
 
 
-def targets(app: str = "roseray") -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+def targets(app: str = "roseray", address: str = "auto") -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     import ray
     from ray.serve._private import constants as c
 
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     controller = ray.get_actor(c.SERVE_CONTROLLER_NAME, namespace=c.SERVE_NAMESPACE)
     groups = ray.get(controller.get_target_groups.remote(app, True))
     engines, routers = set(), set()
@@ -111,6 +116,9 @@ def main() -> None:
     parser.add_argument("--legs", default="haproxy,route,engine")
     parser.add_argument("--replica-host", default="127.0.0.1",
                         help="where the replicas listen (http_options.host; '' for the node ip Serve reports)")
+    parser.add_argument("--ray-address", default="auto",
+                        help="the Ray cluster of the app (GCS host:port; 'auto': the latest one started here). With "
+                             "token auth (Ray's default for a local cluster) set RAY_AUTH_MODE=token for an address")
     parser.add_argument("--out", default=None, help="write the percentiles (ms) as JSON here")
     args = parser.parse_args()
     legs = args.legs.split(",")
@@ -121,14 +129,14 @@ def main() -> None:
         for stats in result["standalone"]:
             print(f"n={args.n} standalone " + " ".join(f"{k}={v}" for k, v in stats.items() if k != "n"))
         return
-    engines, routers = targets()
+    engines, routers = targets(address=args.ray_address)
     result["engines"], result["routers"] = engines, routers
     if "haproxy" in legs:
         url = f"http://127.0.0.1:{args.port}/v1/completions"
         result["haproxy"] = asyncio.run(stream_burst(url, args.n, args.max_tokens, dict, args.rounds))
     if "route" in legs:
-        host, port = args.replica_host or routers[0][0], routers[0][1]
-        result["route"] = asyncio.run(route_burst(host, port, args.n, args.max_tokens, args.rounds))
+        hosts = [(args.replica_host or host, port) for host, port in routers]
+        result["route"] = asyncio.run(route_burst(hosts, args.n, args.max_tokens, args.rounds))
     if "engine" in legs and args.ticket_secret:
         from roseray.serve.ticket import REQUEST_ID_HEADER, TICKET_HEADER, TicketSigner
 

@@ -21,7 +21,6 @@ from typing import Any, Literal
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -31,6 +30,7 @@ from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
 from roseray.serve import wiring
 from roseray.serve.replica_api_processes import ReplicaAPIProcesses, start_shared_engine
+from roseray.serve.router_endpoint import RouterEndpoint
 from roseray.serve.routing import HintConfig, KVQueueRequestRouter, hint_from_body
 from roseray.serve.ticket import REQUEST_ID_HEADER, TICKET_HEADER, TicketSigner, new_secret
 from roseray.server.api import create_app
@@ -117,7 +117,12 @@ class EngineDeployment:
 @serve.deployment(name="Router")
 @serve.ingress()
 class RouterDeployment:
-    """Answers HAProxy's /internal/route: which Engine replica, plus its ticket."""
+    """Answers HAProxy's /internal/route: which Engine replica, plus its ticket.
+
+    Its HTTP app is roseray.serve.router_endpoint's plain ASGI callable, not FastAPI: the
+    decisions of a burst queue one after another in this replica, and FastAPI's per-request
+    machinery was a third of each (scripts/ray_burst_probe.py). ROUTER_ACTOR_OPTIONS run the
+    app and the DeploymentHandle's router on the replica's own event loop."""
 
     def __init__(self, engine: DeploymentHandle, ticket_secret: str, hint_config: dict,
                  policy: str = "kv_queue") -> None:
@@ -126,30 +131,24 @@ class RouterDeployment:
         self.hint_config = HintConfig(**hint_config)
         self.policy = policy
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_api_route(wiring.ROUTE_PATH, self.route, methods=["POST"])
-        app.add_api_route("/health", self.health, methods=["GET"])
-        return app
+    def __serve_build_asgi_app__(self) -> RouterEndpoint:
+        return RouterEndpoint(self.pick, self.tickets)
 
-    async def route(self, request: Request):
-        request_id = request.headers.get(REQUEST_ID_HEADER)
-        if not request_id:
-            return JSONResponse({"detail": f"missing {REQUEST_ID_HEADER}"}, status_code=400)
-        try:
-            if self.policy == "power_of_two":
-                pick = await pick_with_reservation(self.engine)
-            else:
-                headers = request.headers
-                hint = hint_from_body(await request.body(), headers.get(wiring.SESSION_HEADER), self.hint_config,
-                                      headers.get(wiring.BODY_TRUNCATED_HEADER))
-                pick = await wiring.pick_replica(self.engine, hint)
-        except RuntimeError as error:
-            return JSONResponse({"detail": str(error)}, status_code=503)
-        return wiring.route_answer(pick, {TICKET_HEADER: self.tickets.sign(request_id)})
+    async def pick(self, body: bytes, session_id: str | None, truncated: str | None) -> wiring.ReplicaPick:
+        """The replica for one request (RuntimeError: none can take it now)."""
+        if self.policy == "power_of_two":
+            return await pick_with_reservation(self.engine)
+        return await wiring.pick_replica(self.engine, hint_from_body(body, session_id, self.hint_config, truncated))
 
-    async def health(self) -> dict:
-        return {"status": "ok"}
+
+# The Router replica's process runs its HTTP app and its DeploymentHandle's RequestRouter on
+# the replica's own event loop (Serve's defaults: the app on a second thread and loop, the
+# handle's router on a third; every decision then crosses threads four times). Read by Serve
+# when the replica's process imports it, so they travel in the replica's runtime_env, not in
+# the node's environment: the Engine replicas keep Serve's defaults. Per decision on a 2-core
+# box: ~0.45 -> ~0.37 ms of the Router's CPU (scripts/ray_burst_probe.py, CPU of the replica).
+ROUTER_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+ROUTER_ACTOR_OPTIONS = {"num_cpus": 0, "runtime_env": {"env_vars": ROUTER_ENV_VARS}}
 
 
 async def pick_with_reservation(handle: DeploymentHandle) -> wiring.ReplicaPick:
@@ -265,7 +264,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
            app_args.drain_timeout_s, app_args.stuck_after_s, app_args.log_requests, app_args.cors_origins,
            app_args.max_body_bytes, api_processes)
     router = RouterDeployment.options(
-        num_replicas=app_args.router.num_replicas, ray_actor_options={"num_cpus": 0},
+        num_replicas=app_args.router.num_replicas, ray_actor_options=ROUTER_ACTOR_OPTIONS,
         max_ongoing_requests=10_000,
     ).bind(engine, secret, hint_config, app_args.router.policy)
     logger.info("roseray app: %d engine replica(s) of %s, %s GPU and %d API process(es) each, router policy %s",
