@@ -178,3 +178,23 @@ def test_power_of_two_picks_through_serves_reservation(monkeypatch):
     monkeypatch.setattr(wiring, "pick_replica", pick_replica)
     assert asyncio.run(serve_app.RouterDeployment.func_or_class.pick(_router("power_of_two"), b"{}", None, None)) == PICK
     assert seen == [((), True)]
+
+
+def test_router_replicas_come_from_the_env_ray_reads_and_the_config_must_agree(tmp_path, monkeypatch):
+    """Ray 2.60 runs RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE Router replicas per proxy node and
+    ignores the deployment's num_replicas: haproxy_env exports the count, router.num_replicas
+    must say the same (a config that asks for 4 and gets 1 is refused)."""
+    from roseray.serve import haproxy_env
+    from roseray.serve.app import RouterArgs
+
+    name = haproxy_env.ROUTER_REPLICAS_ENV
+    assert name not in haproxy_env.haproxy_env(str(tmp_path / "hap"))  # Ray's default, the image's env unchanged
+    assert haproxy_env.haproxy_env(str(tmp_path / "hap"), router_replicas_per_node=4)[name] == "4"
+    monkeypatch.delenv(name, raising=False)
+    assert RouterArgs().num_replicas == 1
+    with pytest.raises(ValueError, match="--router-replicas-per-node 4"):
+        RouterArgs(num_replicas=4)
+    monkeypatch.setenv(name, "4")
+    assert RouterArgs(num_replicas=4).num_replicas == 4
+    with pytest.raises(ValueError, match="RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE=4"):
+        RouterArgs()

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import ray
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
@@ -29,6 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
 from roseray.serve import wiring
+from roseray.serve.haproxy_env import ROUTER_REPLICAS_ENV
 from roseray.serve.replica_api_processes import ReplicaAPIProcesses, start_shared_engine
 from roseray.serve.router_endpoint import RouterEndpoint
 from roseray.serve.routing import HintConfig, KVQueueRequestRouter, hint_from_body
@@ -173,12 +174,25 @@ class RouterArgs(BaseModel):
     stats_period_s: float = 0.5  # how often Serve pulls record_routing_stats from each engine replica
     affinity_max_imbalance: int = 4  # prefix affinity yields when its replica's queue is longer than this
     chars_per_token: float | None = None  # prompt-size estimate; default 1 for random:* (bytes), 4 otherwise
-    num_replicas: int = 1  # Router replicas (HAProxy also keeps one per proxy node)
+    # Router replicas on each proxy node. Ray 2.60 sizes the Router by RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE
+    # (read at `ray start`: `python -m roseray.serve.haproxy_env --router-replicas-per-node N`), not by this;
+    # it must agree with that environment, so that the config says what runs.
+    num_replicas: int = Field(1, validate_default=True)
     # kv_queue: roseray's KVQueueRequestRouter (queue depth, free KV blocks, prefix affinity).
     # power_of_two: Ray Serve's default PowerOfTwoChoicesRequestRouter on the same data path
     # (HAProxy -> Router -> the replica streams itself), to compare routers; ignores the KV
     # stats and affinity_max_imbalance.
     policy: Literal["kv_queue", "power_of_two"] = "kv_queue"
+
+    @field_validator("num_replicas")
+    @classmethod
+    def _ray_runs_that_many(cls, value: int) -> int:
+        per_node = int(os.environ.get(ROUTER_REPLICAS_ENV) or 1)
+        if value != per_node:
+            raise ValueError(f"router.num_replicas={value}, but Ray runs {ROUTER_REPLICAS_ENV}={per_node} Router "
+                             f"replica(s) per proxy node and ignores the deployment's count: start Ray after "
+                             f"`eval \"$(python -m roseray.serve.haproxy_env --router-replicas-per-node {value})\"`")
+        return value
 
 
 class AppArgs(BaseModel):

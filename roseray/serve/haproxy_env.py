@@ -30,6 +30,11 @@ What it sets:
                                                     HAProxy's files in <dir> (mode 700; default
                                                     /tmp/roseray-haproxy-<uid>; keep it short: unix
                                                     socket paths are limited to ~100 bytes)
+  RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE=<n>  only with --router-replicas-per-node n > 1: Router
+                                                    replicas on each proxy node (Ray 2.60 sizes the Router
+                                                    deployment by this, read by the controller at `ray start`,
+                                                    and ignores its num_replicas; HAProxy's Lua takes turns
+                                                    between them). router.num_replicas must say the same
 The client-facing bind is `http_options.host` of serve_config.yaml (127.0.0.1 there).
 """
 
@@ -55,6 +60,10 @@ RETRY_ON = "conn-failure empty-response"
 # and scales the size estimate by X-Body-Truncated). The buffer size is a per-request cost in
 # HAProxy: at Ray's default of 8 MiB a burst of 128 streams queued ~3 ms per request.
 ROUTER_BODY_BYTES = 64 * 1024
+
+# Ray 2.60 runs this many Router (ingress request router) replicas on each node with a proxy,
+# whatever the Router deployment's num_replicas says (DeploymentState._reconcile_ingress_request_router).
+ROUTER_REPLICAS_ENV = "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"
 
 _WRAPPER = r'''#!{python}
 # Written by roseray.serve.haproxy_env: exec Ray's HAProxy after moving the stats and
@@ -109,7 +118,7 @@ def write_wrapper(state_dir: str, real_binary: str | None = None) -> str:
 
 
 def haproxy_env(state_dir: str | None = None, forward_body: bool = True,
-                router_body_bytes: int = ROUTER_BODY_BYTES) -> dict[str, str]:
+                router_body_bytes: int = ROUTER_BODY_BYTES, router_replicas_per_node: int = 1) -> dict[str, str]:
     """Write the wrapper into `state_dir` and return the variables to export."""
     state_dir = state_dir or f"/tmp/roseray-haproxy-{os.getuid()}"
     env = {
@@ -124,6 +133,8 @@ def haproxy_env(state_dir: str | None = None, forward_body: bool = True,
     if forward_body:
         env["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] = "1"
         env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"] = str(router_body_bytes)
+    if router_replicas_per_node != 1:  # Ray's default is 1: the default output stays the image's env
+        env[ROUTER_REPLICAS_ENV] = str(router_replicas_per_node)
     return env
 
 
@@ -136,10 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-body-bytes", type=int, default=ROUTER_BODY_BYTES,
                         help="HAProxy's buffer size: how much of a body the router sees; bigger costs HAProxy "
                              "time per request (default: %(default)s)")
+    parser.add_argument("--router-replicas-per-node", type=int, default=1,
+                        help="Router replicas on each proxy node; set router.num_replicas to the same "
+                             "(default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.router_replicas_per_node < 1:
+        parser.error("--router-replicas-per-node must be at least 1")
     if args.router_body_bytes < 16384:
         parser.error("--router-body-bytes must be at least 16384 (HAProxy's buffer holds the request headers too)")
-    for name, value in haproxy_env(args.dir, args.forward_body, args.router_body_bytes).items():
+    for name, value in haproxy_env(args.dir, args.forward_body, args.router_body_bytes,
+                                   args.router_replicas_per_node).items():
         print(f"export {name}={shlex.quote(value)}")
     return 0
 
