@@ -3,7 +3,8 @@
 # Ray of its own), wait until every replica answers through HAProxy, stop it and wait for the
 # GPUs to be free. Source it after setting OUT PORT MODEL MAXLEN GPUS ENGINE MAX_NUM_SEQS
 # MAX_WAITING START_TIMEOUT MAXID LONG_TOKENS (the warm-up's prompt length); optional:
-# API_PROCS (api_processes_per_replica), ROUTERS (router.num_replicas).
+# API_PROCS (api_processes_per_replica), ROUTERS (router.num_replicas; the caller evals haproxy_env
+# with --router-replicas-per-node $ROUTERS before Ray starts), TICKET_SECRET (the app's).
 url=http://127.0.0.1:$PORT
 server=""
 serve_cli=(python -c 'import sys; sys.argv[0] = "serve"; from ray.serve.scripts import cli; cli()')  # `serve`
@@ -29,6 +30,8 @@ args.update(num_replicas=replicas, num_gpus_per_replica=float(os.environ["GPUS"]
 args.setdefault("router", {})["policy"] = policy
 if os.environ.get("API_PROCS"):  # the engine replicas' API processes (default: auto, 4 on GPU)
     args["api_processes_per_replica"] = int(os.environ["API_PROCS"])
+if os.environ.get("TICKET_SECRET"):  # known to a probe that signs its own tickets (ray_burst_probe.py)
+    args["ticket_secret"] = os.environ["TICKET_SECRET"]
 if os.environ.get("ROUTERS"):  # Router replicas (HAProxy's Lua takes turns between them)
     args["router"]["num_replicas"] = int(os.environ["ROUTERS"])
 EngineConfig(**AppArgs(**args).engine)  # fail here, not in a replica

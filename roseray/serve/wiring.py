@@ -137,10 +137,10 @@ def close_serve_listener(port: int) -> bool:
             gc.freeze()
     listeners, http_servers = [], []
     for candidate in objects:
-        if isinstance(candidate, uvicorn.Server):
+        kind = type(candidate)  # not isinstance: some objects' __class__ warns when read (torch's deprecated ones)
+        if issubclass(kind, uvicorn.Server):
             http_servers.append(candidate)
-        elif isinstance(candidate, asyncio.AbstractServer) or (
-                type(candidate).__name__ == "Server" and hasattr(candidate, "get_loop")):
+        elif issubclass(kind, asyncio.AbstractServer) or (kind.__name__ == "Server" and hasattr(candidate, "get_loop")):
             try:
                 if port in {s.getsockname()[1] for s in candidate.sockets or ()}:
                     listeners.append(candidate)
