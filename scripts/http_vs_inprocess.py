@@ -145,16 +145,25 @@ def main() -> None:
     parser.add_argument("--server-port", type=int, default=None,
                         help="measure the server already listening here (e.g. the Ray Serve app) and write the "
                              "HTTP half only; compare later with --against-http")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="with --server-port: measure this many bursts one after another and compare the last "
+                             "(the earlier ones warm the server for the burst's arrival pattern)")
     parser.add_argument("--against-http", default=None,
                         help="a --server-port run's JSON: run the in-process half now and compare with it")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.server_port is not None:
-        http = _clients(args.server_port, args.model, args.num_requests, args.max_tokens, args.client_processes)
-        result = {"http": {**http, "server_port": args.server_port}}
-        print(f"HTTP {http['throughput_tok_s']:,.0f} tok/s, TTFT p50 {http['ttft_ms']['p50']:.1f} ms, "
-              f"chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms, {http['events_per_chunk']:.2f} events per chunk; "
-              f"streams per process {sorted(http['served_by'].values(), reverse=True)}")
+        passes = []
+        for index in range(args.passes):
+            http = _clients(args.server_port, args.model, args.num_requests, args.max_tokens, args.client_processes)
+            passes.append(http)
+            print(f"pass {index + 1}/{args.passes}: HTTP {http['throughput_tok_s']:,.0f} tok/s, TTFT p50 "
+                  f"{http['ttft_ms']['p50']:.1f} ms (p95 {http['ttft_ms']['p95']:.1f}), chunk gap p50 "
+                  f"{http['chunk_gap_ms']['p50']:.2f} ms, {http['events_per_chunk']:.2f} events per chunk; "
+                  f"streams per process {sorted(http['served_by'].values(), reverse=True)}")
+        # the last pass is the one compared; the earlier ones are in the JSON
+        result = {"http": {**passes[-1], "server_port": args.server_port, "pass": args.passes,
+                           "earlier_passes": passes[:-1]}}
     elif args.against_http is not None:
         with open(args.against_http) as f:
             http = json.load(f)["http"]

@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/ray_vs_inprocess}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 MODEL=${MODEL:-random:gpt2}; MAXLEN=${MAXLEN:-1024}; GPUS=${GPUS:-1}; ENGINE=${ENGINE:-'{}'}
 NUM_REQUESTS=${NUM_REQUESTS:-128}; MAX_TOKENS=${MAX_TOKENS:-128}
+PASSES=${PASSES:-1}  # HTTP bursts one after another; the last is compared (PASSES=2: the first warms the server)
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-$NUM_REQUESTS}; MAX_WAITING=${MAX_WAITING:-1024}
 PORT=${PORT:-8000}; START_TIMEOUT=${START_TIMEOUT:-180}; MAXID=${MAXID:-10000}; LONG_TOKENS=${LONG_TOKENS:-64}
 export PYTHONUNBUFFERED=1 PORT MODEL MAXLEN GPUS ENGINE MAX_NUM_SEQS MAX_WAITING  # read by write_config
@@ -26,7 +27,7 @@ trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left 
 
 sizes=(--model "$MODEL" --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS")
 start_server ray 1 kv_queue || exit 1
-python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --out "$OUT/ray_http.json" \
+python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --passes "$PASSES" --out "$OUT/ray_http.json" \
     || { echo "the HTTP half failed"; exit 1; }
 stop_server
 python scripts/http_vs_inprocess.py "${sizes[@]}" --against-http "$OUT/ray_http.json" \
