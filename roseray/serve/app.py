@@ -32,6 +32,7 @@ from roseray.serve import wiring
 from roseray.serve.haproxy_env import ROUTER_REPLICAS_ENV
 from roseray.serve.replica_api_processes import ReplicaAPIProcesses, start_shared_engine
 from roseray.serve.router_endpoint import RouterEndpoint
+from roseray.serve.router_server import LeanRouterServer
 from roseray.serve.routing import HintConfig, KVQueueRequestRouter, hint_from_body
 from roseray.serve.ticket import REQUEST_ID_HEADER, TICKET_HEADER, TicketSigner, new_secret
 from roseray.server.api import create_app
@@ -123,17 +124,29 @@ class RouterDeployment:
     Its HTTP app is roseray.serve.router_endpoint's plain ASGI callable, not FastAPI: the
     decisions of a burst queue one after another in this replica, and FastAPI's per-request
     machinery was a third of each (scripts/ray_burst_probe.py). ROUTER_ACTOR_OPTIONS run the
-    app and the DeploymentHandle's router on the replica's own event loop."""
+    app and the DeploymentHandle's router on the replica's own event loop. Once Serve's server
+    listens, a lean asyncio server (router_server.py) takes the replica's port over and answers
+    with the same RouterEndpoint, without uvicorn and Serve's per-request wrapper; Serve's
+    server stays if that fails (`lean_server=False`: keep Serve's)."""
 
     def __init__(self, engine: DeploymentHandle, ticket_secret: str, hint_config: dict,
-                 policy: str = "kv_queue") -> None:
+                 policy: str = "kv_queue", lean_server: bool = True) -> None:
         self.engine = engine
         self.tickets = TicketSigner(ticket_secret)
         self.hint_config = HintConfig(**hint_config)
         self.policy = policy
+        self.endpoint = RouterEndpoint(self.pick, self.tickets)
+        if lean_server:  # takes the port over from Serve's server once it listens (router_server.py)
+            try:
+                server = LeanRouterServer(self.endpoint, serve.get_replica_context().app_name)
+            except RuntimeError as error:  # no running event loop here (a Ray upgrade?)
+                logger.warning("the lean /internal/route server cannot start; Serve's server answers: %r", error)
+            else:
+                self.endpoint.on_shutdown.append(server.stop)
+                server.start()
 
     def __serve_build_asgi_app__(self) -> RouterEndpoint:
-        return RouterEndpoint(self.pick, self.tickets)
+        return self.endpoint
 
     async def pick(self, body: bytes, session_id: str | None, truncated: str | None) -> wiring.ReplicaPick:
         """The replica for one request (RuntimeError: none can take it now)."""

@@ -11,13 +11,15 @@ JSON (the part naming a replica is encoded once per replica).
                            400 {"detail": "missing x-request-id"}
                            503 {"detail": "<why>"} when picking raised RuntimeError
     GET  /health           200 {"status": "ok"}
+    GET  /-/healthz        200 "success" (503 "DRAINING"/"UNHEALTHY"): HAProxy's health check,
+                           answered by Serve's wrapper until the lean server takes the port over
     anything else          404 (405 for another method on a known path)
 """
 
 from __future__ import annotations
 
 import json
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 from roseray.serve import wiring
 from roseray.serve.ticket import REQUEST_ID_HEADER, TICKET_HEADER, TicketSigner
@@ -28,7 +30,6 @@ Pick = Callable[[bytes, "str | None", "str | None"], Awaitable[wiring.ReplicaPic
 _REQUEST_ID = REQUEST_ID_HEADER.encode()
 _SESSION = wiring.SESSION_HEADER.encode()
 _TRUNCATED = wiring.BODY_TRUNCATED_HEADER.encode()
-_JSON_HEADERS = [(b"content-type", b"application/json")]
 _TICKET_MARK = "\x00ticket\x00"  # stands in for the ticket while an answer's frame is encoded
 _MAX_CACHED_PICKS = 4096
 
@@ -41,24 +42,41 @@ _HEALTH = _json({"status": "ok"})
 _MISSING_ID = _json({"detail": f"missing {REQUEST_ID_HEADER}"})
 _NOT_FOUND = _json({"detail": "Not Found"})
 _NOT_ALLOWED = _json({"detail": "Method Not Allowed"})
+_JSON_TYPE = b"application/json"
+_TEXT_TYPE = b"text/plain; charset=utf-8"
+
+
+def content_type(path: str) -> bytes:
+    """The content type of RouterEndpoint.respond's answer for `path`."""
+    return _TEXT_TYPE if path == wiring.HEALTHZ_PATH else _JSON_TYPE
+
+
+async def _always_healthy() -> tuple[bool, str]:
+    return True, wiring.HEALTHY_MESSAGE
 
 
 class RouterEndpoint:
     """ASGI app of the Router replica (Serve accepts any ASGI callable from
     `__serve_build_asgi_app__`). `pick` runs the routing policy; `tickets` signs each
-    request id into the answer's request_headers."""
+    request id into the answer's request_headers. `respond` is the whole of the HTTP logic,
+    shared with the lean server (router_server.py) that takes the Router's port over."""
 
     def __init__(self, pick: Pick, tickets: TicketSigner) -> None:
         self.pick = pick
         self.tickets = tickets
         self._frames: dict[wiring.ReplicaPick, tuple[bytes, bytes]] = {}
+        # GET /-/healthz: (healthy, message) as Serve's replica says (the lean server sets it)
+        self.health: Callable[[], Awaitable[tuple[bool, str]]] = _always_healthy
+        self.on_shutdown: list[Callable[[], None]] = []  # run at the app's lifespan shutdown
 
     async def __call__(self, scope: dict, receive, send) -> None:
         kind = scope["type"]
         if kind == "http":
-            status, body = await self._http(scope, receive)
+            body = await read_body(receive)
+            status, body = await self.respond(scope["method"], scope["path"], scope["headers"], body)
             await send({"type": "http.response.start", "status": status,
-                        "headers": _JSON_HEADERS + [(b"content-length", str(len(body)).encode())]})
+                        "headers": [(b"content-type", content_type(scope["path"])),
+                                    (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
         elif kind == "lifespan":
             while True:
@@ -66,20 +84,27 @@ class RouterEndpoint:
                 if message["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
+                    for callback in self.on_shutdown:
+                        callback()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
 
-    async def _http(self, scope: dict, receive) -> tuple[int, bytes]:
-        path, method = scope["path"], scope["method"]
+    async def respond(self, method: str, path: str, headers: Iterable[tuple[bytes, bytes]],
+                      body: bytes) -> tuple[int, bytes]:
+        """(status, body) of one request; `headers`: (lower-case name, value) pairs as in ASGI.
+        Its content type is content_type(path)."""
         if path == wiring.ROUTE_PATH:
-            return await self.route(scope, receive) if method == "POST" else (405, _NOT_ALLOWED)
+            return await self.route(headers, body) if method == "POST" else (405, _NOT_ALLOWED)
         if path == "/health":
             return (200, _HEALTH) if method in ("GET", "HEAD") else (405, _NOT_ALLOWED)
+        if path == wiring.HEALTHZ_PATH:  # Serve's wrapper answers it before the app; the lean server here
+            healthy, message = await self.health()
+            return (200 if healthy else 503), message.encode()
         return 404, _NOT_FOUND
 
-    async def route(self, scope: dict, receive) -> tuple[int, bytes]:
+    async def route(self, headers: Iterable[tuple[bytes, bytes]], body: bytes) -> tuple[int, bytes]:
         request_id = session_id = truncated = None
-        for name, value in scope["headers"]:  # names are lower-case in ASGI; the first of a repeated one wins
+        for name, value in headers:  # the first of a repeated header wins
             if name == _REQUEST_ID:
                 request_id = request_id if request_id is not None else value.decode("latin-1")
             elif name == _SESSION:
@@ -88,7 +113,6 @@ class RouterEndpoint:
                 truncated = truncated if truncated is not None else value.decode("latin-1")
         if not request_id:
             return 400, _MISSING_ID
-        body = await read_body(receive)
         try:
             pick = await self.pick(body, session_id, truncated)
         except RuntimeError as error:

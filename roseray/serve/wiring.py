@@ -176,3 +176,46 @@ def route_answer(pick: ReplicaPick, request_headers: dict[str, str]) -> dict:
         if not name.startswith(ROUTER_HEADER_PREFIX) or '"' in value:
             raise ValueError(f"router header {name!r} cannot be passed through HAProxy")
     return {"host": pick.host, "port": pick.port, "replica_id": pick.replica_id, HEADERS_FIELD: request_headers}
+
+
+# HAProxy's Lua forwards at most this much of a body to /internal/route (its tune.bufsize)
+ROUTER_BUFSIZE = serve_constants.RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE
+
+
+def serve_replica_health():
+    """An async callable -> (healthy, message): what Serve's wrapper answers on GET /-/healthz
+    for this replica (Replica._dataplane_health_check: "DRAINING" from the start of its
+    graceful shutdown, "UNHEALTHY" after a failed check_health). Found among the live objects
+    (call once, off the event loop if it matters); None if not found (a Ray upgrade)."""
+    from ray.serve._private.replica import Replica
+
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    try:
+        replicas = [o for o in gc.get_objects() if issubclass(type(o), Replica)]
+    finally:
+        if frozen:
+            gc.freeze()
+    check = getattr(replicas[0], "_dataplane_health_check", None) if len(replicas) == 1 else None
+    return check if asyncio.iscoroutinefunction(check) else None
+
+
+def own_router_http_port(app_name: str) -> int | None:
+    """own_http_port for a replica of `app_name`'s ingress request router (the Router): the
+    controller lists those ports in each target group's `ingress_request_router_targets`."""
+    actor_name = ray.get_runtime_context().get_actor_name()
+    for host, port, name in router_http_targets(app_name, with_names=True):
+        if name == actor_name:
+            return port
+    return None
+
+
+def router_http_targets(app_name: str, with_names: bool = False) -> list[tuple]:
+    """(node ip, port) of each replica of `app_name`'s ingress request router (the Router),
+    as HAProxy's Lua asks them; with_names: (ip, port, actor name)."""
+    controller = ray.get_actor(serve_constants.SERVE_CONTROLLER_NAME, namespace=serve_constants.SERVE_NAMESPACE)
+    groups = ray.get(controller.get_target_groups.remote(app_name, True))
+    return sorted({(t.ip, t.port, t.name) if with_names else (t.ip, t.port) for g in groups if g.app_name == app_name
+                   and str(getattr(g.protocol, "value", g.protocol)).upper() == "HTTP"
+                   for t in (getattr(g, "ingress_request_router_targets", None) or ())})
