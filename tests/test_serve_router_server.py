@@ -198,3 +198,53 @@ def _router_ports(state_dir: str, timeout_s: float = 60.0) -> set[int]:
         if ports or time.monotonic() > deadline:
             return ports
         time.sleep(0.5)
+
+
+@pytest.mark.parametrize("closable", [True, False])
+def test_takes_a_servers_port_over_or_leaves_it_serving(monkeypatch, caplog, closable):
+    """LeanRouterServer without Ray: another asyncio server of this process listens on the
+    port (as Serve's does in the replica); the lean server takes it over, or, when that server
+    cannot be closed, leaves it answering alone (and says so)."""
+
+    async def main():
+        async def old_server(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nold")
+            writer.close()
+
+        async def healthy():
+            return True, "success"
+
+        old = await asyncio.start_server(old_server, "127.0.0.1", 0)
+        port = old.sockets[0].getsockname()[1]
+        monkeypatch.setattr(wiring, "own_router_http_port", lambda app_name: port)
+        monkeypatch.setattr(wiring, "serve_replica_health", lambda: healthy)
+        if not closable:
+            monkeypatch.setattr(wiring, "close_serve_listener", lambda port: False)
+        lean = router_server.LeanRouterServer(endpoint(), "roseray")
+        lean.start()
+        await asyncio.to_thread(lean._thread.join, 10)
+        answers = [parse(await exchange(port, b"GET /-/healthz HTTP/1.0\r\n\r\n")) for _ in range(3)]
+        lean.stop()
+        old.close()
+        return lean, answers
+
+    lean, answers = asyncio.run(main())
+    if closable:
+        assert lean.server is not None and lean.port is not None
+        assert all(body == b"success" and headers[b"x-roseray-router"] == b"lean" for _, headers, body in answers)
+    else:
+        assert lean.server is None and all(body == b"old" for _, _, body in answers)
+        assert "did not start" in caplog.text
+
+
+def test_private_serve_hooks_that_router_server_reads():
+    """What router_server and wiring's additions read from Ray 2.60 (tests/test_serve_wiring.py's role)."""
+    import inspect
+
+    from ray.serve._private.replica import Replica
+    from ray.serve.schema import TargetGroup
+
+    assert inspect.iscoroutinefunction(Replica._dataplane_health_check)
+    assert "ingress_request_router_targets" in TargetGroup.model_fields
+    assert isinstance(wiring.ROUTER_BUFSIZE, int) and router_server.default_max_body() > wiring.ROUTER_BUFSIZE
