@@ -26,7 +26,7 @@ from ray.serve._private import constants as serve_constants
 
 from roseray.engine.async_engine import LoopState
 from roseray.serve.app import AppArgs, build_app
-from roseray.serve.replica_api_processes import listening_socket_fd
+from roseray.serve.replica_port import listening_socket_fd
 from roseray.serve.replica_api_worker import ServeProbes
 from tests.conftest import RayServeCluster
 from tests.test_serve_e2e import wait_for_routing

@@ -7,8 +7,8 @@ N` (server/api_processes.py) spreads the writing over N processes with SO_REUSEP
 Serve replica is one actor whose HTTP server Serve starts itself, after the constructor, on
 a port the controller allocates, without SO_REUSEPORT; and in that actor every request
 crosses from Serve's loop to the user code's. So N API processes take over that server's
-listening socket: once the controller lists the replica's port (`wiring.own_http_port`),
-the replica finds the socket among its file descriptors and hands it to N processes
+listening socket: once the controller lists the replica's port (`wiring.own_http_port`,
+replica_port.py), the replica finds the socket among its file descriptors and hands it to N processes
 (replica_api_worker.py, subprocess pass_fds). When all of them serve, the replica closes its
 own copy of the socket (`wiring.close_serve_listener`): from then on the N processes accept
 every connection from the one queue (each goes to whichever process accepts it first).
@@ -46,7 +46,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -56,35 +55,12 @@ from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
 from roseray.engine.engine_process import IDLE_STATS_INTERVAL_S, EngineProcessClient, spawn_engine_process
 from roseray.serve import wiring
+from roseray.serve.replica_port import TIMEOUT_S, listening_socket_fd, wait_until_listed
 from roseray.server.api_processes import Supervisor, spawn_api_worker
 
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "roseray.serve.replica_api_worker"
-PORT_POLL_S = 0.25  # how often the replica asks the controller whether its port is listed yet
-PORT_TIMEOUT_S = 300.0
-
-
-def listening_socket_fd(port: int) -> int:
-    """The file descriptor of this process's TCP socket listening on `port` (Linux /proc)."""
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            probe = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        with probe:
-            try:
-                listening = probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                address = probe.getsockname()
-            except OSError:
-                continue
-            if (listening and probe.type == socket.SOCK_STREAM and probe.family in (socket.AF_INET, socket.AF_INET6)
-                    and address[1] == port):
-                return fd
-    raise RuntimeError(f"no socket of this process listens on port {port}")
 
 
 def start_shared_engine(config: EngineConfig, num_processes: int, *, stuck_after_s: float, settings: dict,
@@ -161,14 +137,11 @@ class ReplicaAPIProcesses:
     # ---- internals ---------------------------------------------------------------------------
     def _start_when_listed(self) -> None:
         try:
-            deadline = time.monotonic() + PORT_TIMEOUT_S
-            while (port := wiring.own_http_port(self.app_name)) is None:
-                if self._stopping:
-                    return
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the controller did not list this replica's port within {PORT_TIMEOUT_S:.0f} s")
-                time.sleep(PORT_POLL_S)
+            port = wait_until_listed(lambda: wiring.own_http_port(self.app_name), lambda: self._stopping)
+            if port is None:
+                return
             socket_fd = listening_socket_fd(port)
+            deadline = time.monotonic() + TIMEOUT_S
             ready = []
             with self._lock:
                 index = 0

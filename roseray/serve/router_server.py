@@ -29,9 +29,9 @@ import logging
 import os
 import socket
 import threading
-import time
 
 from roseray.serve import wiring
+from roseray.serve.replica_port import listening_socket_fd, wait_until_listed
 from roseray.serve.router_endpoint import RouterEndpoint, content_type
 
 logger = logging.getLogger(__name__)
@@ -40,8 +40,6 @@ MAX_HEAD_BYTES = 16 * 1024  # request line + headers (HAProxy's Lua sends ~250 b
 BODY_SLACK_BYTES = 64 * 1024
 READ_TIMEOUT_S = 30.0
 BACKLOG = 2048  # uvicorn's: a burst of HAProxy's connections waits in the accept queue
-PORT_POLL_S = 0.1
-PORT_TIMEOUT_S = 300.0
 MARK_HEADER = b"x-roseray-router: lean\r\n"  # which server answered (tests, curl -i)
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed",
@@ -181,16 +179,10 @@ class LeanRouterServer:
             self.server.close()
 
     def _take_over_when_listed(self) -> None:
-        from roseray.serve.replica_api_processes import listening_socket_fd
-
         try:
-            deadline = time.monotonic() + PORT_TIMEOUT_S
-            while (port := wiring.own_router_http_port(self.app_name)) is None:
-                if self._stopping:
-                    return
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the controller did not list this replica's port within {PORT_TIMEOUT_S:.0f} s")
-                time.sleep(PORT_POLL_S)
+            port = wait_until_listed(lambda: wiring.own_router_http_port(self.app_name), lambda: self._stopping)
+            if port is None:
+                return
             health = wiring.serve_replica_health()
             if health is None:
                 raise RuntimeError("Serve's replica (its health check) was not found")

@@ -21,13 +21,17 @@ tests/test_serve_wiring.py fails loudly when an upgrade moves any of them:
     through a DeploymentHandle, i.e. through roseray's RequestRouter as well; such requests
     reach the engine's app with the proxy's ASGI scope and no ticket;
   * the controller's `get_target_groups` lists replica HTTP ports (tests and tools; an engine
-    replica with API processes finds its own port there, then its listening socket);
+    replica with API processes finds its own port there, then its listening socket), and
+    the Router replicas' in `ingress_request_router_targets` (the lean Router server);
   * Serve's HTTP server in a replica is an asyncio (or uvloop) server on the replica's main
     loop, whose `close()` stops the accepting and leaves the connections it has
     (close_serve_listener);
   * Serve's wrapper answers HAProxy's health check (GET /-/healthz: 200 "success", 503
     "DRAINING"/"UNHEALTHY") on the replica's port before the app sees it; an API
-    process on that port must answer it the same way.
+    process on that port must answer it the same way, and the lean Router server asks the
+    replica object's `_dataplane_health_check` (serve_replica_health);
+  * `RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE` (ROUTER_BUFSIZE) bounds the body the
+    lean Router server accepts.
 """
 
 from __future__ import annotations
