@@ -46,7 +46,8 @@ def stop_when_parent_dies(lifeline_fd: int) -> None:
 def worker_parser(description: str) -> argparse.ArgumentParser:
     """The arguments api_processes.spawn_api_worker gives an API process."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--index", type=int, required=True, help="which API process (1..N)")
+    parser.add_argument("--index", type=int, required=True,
+                        help="which API process (roseray serve: 0..N-1; a Ray replica: 1..N, its own app is 0)")
     parser.add_argument("--socket-fd", type=int, required=True, help="the listening socket")
     parser.add_argument("--commands-fd", type=int, required=True, help="the engine's command pipe (write end)")
     parser.add_argument("--outputs-fd", type=int, required=True, help="the engine's output pipe (read end)")
