@@ -6,7 +6,7 @@ API process. End to end (its own local Ray: the session's cluster runs one API p
 per replica): two CPU replicas of random:tiny, each with its engine in a child process and
 three API processes on its port; traffic through HAProxy and the Router reaches the API
 processes, which take every new connection once they serve, refuse requests without the
-Router's ticket, answer HAProxy's health check, share their request metrics, free a
+Router's ticket or the API key, answer HAProxy's health check, share their request metrics, free a
 disconnected stream's KV blocks; when Serve stops, none of them is left.
 """
 
@@ -32,6 +32,8 @@ from tests.conftest import RayServeCluster
 from tests.test_serve_e2e import wait_for_routing
 
 API_PROCESSES = 3
+API_KEY = "api-processes-key"  # the app's api_key: every API process checks it
+AUTH = {"authorization": f"Bearer {API_KEY}"}
 MAX_TOKENS = 200  # streams that overlap (see served_by)
 WORKER_MODULE = "roseray.serve.replica_api_worker"
 
@@ -129,10 +131,10 @@ def worker_pids() -> set[int]:
 def cluster():
     before = worker_pids()
     cluster = RayServeCluster({"api_processes_per_replica": API_PROCESSES, "engine": {"engine_process": True},
-                               "num_cpus_per_replica": 0.5})
+                               "num_cpus_per_replica": 0.5, "api_key": API_KEY})
     try:
         cluster.wait_ready()
-        wait_for_routing(cluster.url)
+        wait_for_routing(cluster.url, headers=AUTH)
         # they start once Serve lists the replica's port; once all serve, the replica's own server stops
         # accepting (HAProxy may keep a connection or two it opened before: those stay with it)
         deadline = time.monotonic() + 90
@@ -141,7 +143,8 @@ def cluster():
             while seen < {f"api{i}" for i in range(1, API_PROCESSES + 1)} or streak < 10:
                 assert time.monotonic() < deadline, f"{port}: {seen}, {worker_pids() - before}\n{cluster.log_tail()}"
                 with contextlib.suppress(httpx.HTTPError):  # a new connection each time
-                    name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).headers["x-roseray-replica"]
+                    name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5,
+                                     headers=AUTH).headers["x-roseray-replica"]
                     seen.add(name.rsplit("/", 1)[-1])
                     streak = streak + 1 if "/api" in name else 0
                 time.sleep(0.05)
@@ -157,7 +160,7 @@ def cluster():
 async def _stream(client: httpx.AsyncClient, url: str, i: int) -> str:
     body = {"prompt": f"api processes {i}", "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+    async with client.stream("POST", url + "/v1/completions", json=body, headers=AUTH) as response:
         text = await response.aread()
         assert response.status_code == 200, text
         assert text.endswith(b"data: [DONE]\n\n") and f'"completion_tokens":{MAX_TOKENS}'.encode() in text, text[-300:]
@@ -183,7 +186,7 @@ def served_by(url: str, rounds: int = 1, per_round: int = 12) -> collections.Cou
 @pytest.mark.ray
 def test_streams_through_haproxy_reach_the_api_processes(cluster):
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key=API_KEY)
     chunks = list(client.chat.completions.create(
         model="random:tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=5, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
@@ -196,14 +199,18 @@ def test_streams_through_haproxy_reach_the_api_processes(cluster):
 
 
 @pytest.mark.ray
-def test_every_process_on_a_replica_port_refuses_unrouted_requests_and_answers_health_checks(cluster):
+def test_every_process_on_a_replica_port_refuses_unrouted_or_keyless_requests_and_answers_health_checks(cluster):
     for _, port in cluster.engines():
         direct = f"http://127.0.0.1:{port}"
         answered = collections.Counter()
         for i in range(16):  # new connections: the processes take turns accepting them
-            refused = httpx.post(direct + "/v1/completions", json={"prompt": "sneaky", "max_tokens": 2}, timeout=10)
+            body = {"prompt": "sneaky", "max_tokens": 2}
+            refused = httpx.post(direct + "/v1/completions", json=body, timeout=10, headers=AUTH)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_routed", refused.text
             answered[refused.headers["x-roseray-replica"]] += 1
+            keyless = httpx.post(direct + "/v1/completions", json=body, timeout=10)
+            assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key", keyless.text
+            answered[keyless.headers["x-roseray-replica"]] += 1
             health = httpx.get(direct + "/-/healthz", timeout=10)
             assert (health.status_code, health.text) == (200, "success")
         assert all("/api" in name for name in answered), answered  # the replica's own server stopped accepting
@@ -211,7 +218,7 @@ def test_every_process_on_a_replica_port_refuses_unrouted_requests_and_answers_h
 
 def scrape(url: str) -> dict[str, float]:
     values = collections.defaultdict(float)
-    for line in httpx.get(url + "/metrics", timeout=10).text.split("\n"):
+    for line in httpx.get(url + "/metrics", timeout=10, headers=AUTH).text.split("\n"):
         if line.startswith("roseray:") and " " in line:
             name, value = line.rsplit(" ", 1)
             values[name.split("{")[0]] += float(value)
@@ -245,7 +252,7 @@ def test_a_disconnect_on_an_api_process_frees_its_kv_blocks(cluster):
     async def cut_streams(n: int) -> list[str]:
         async def one(client, i):
             body = {"prompt": f"cut {i} " * 20, "max_tokens": 1500, "ignore_eos": True, "stream": True}
-            async with client.stream("POST", cluster.url + "/v1/completions", json=body) as response:
+            async with client.stream("POST", cluster.url + "/v1/completions", json=body, headers=AUTH) as response:
                 assert response.status_code == 200
                 async for _ in response.aiter_bytes():
                     return response.headers["x-roseray-replica"]  # leave mid-stream: the connection closes

@@ -26,14 +26,15 @@ def cluster(ray_serve_cluster):
             "fallback_port": ray_serve_cluster.fallback_port}
 
 
-def wait_for_routing(url: str, timeout_s: float = 60) -> None:
+def wait_for_routing(url: str, timeout_s: float = 60, headers: dict | None = None) -> None:
     """HAProxy learns the Router and the replicas a little after serve.run returns; until
     then it sends requests to replicas without a ticket (503) or fails them."""
     deadline = time.monotonic() + timeout_s
     successes, last = 0, None
     while successes < 6:
         try:
-            response = httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1}, timeout=10)
+            response = httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1}, timeout=10,
+                                  headers=headers)
             successes = successes + 1 if response.status_code == 200 else 0
             last = (response.status_code, dict(response.headers), response.text[:2000])
         except httpx.HTTPError as error:
