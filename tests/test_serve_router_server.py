@@ -187,7 +187,7 @@ async def _eventually_lean(port: int, timeout_s: float = 30.0) -> bytes:
 
 def _router_ports(state_dir: str, timeout_s: float = 60.0) -> set[int]:
     """The Router replicas' ports, from the Lua script Serve writes for HAProxy (the controller's
-    ingress_request_router_targets; wiring.router_http_targets in a process connected to Ray),
+    ingress_request_router_targets; wiring._http_targets(app, routers=True) in a process connected to Ray),
     once HAProxy's config lists them."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -217,7 +217,7 @@ def test_takes_a_servers_port_over_or_leaves_it_serving(monkeypatch, caplog, clo
 
         old = await asyncio.start_server(old_server, "127.0.0.1", 0)
         port = old.sockets[0].getsockname()[1]
-        monkeypatch.setattr(wiring, "own_router_http_port", lambda app_name: port)
+        monkeypatch.setattr(wiring, "own_http_port", lambda app_name, router=False: port)
         monkeypatch.setattr(wiring, "serve_replica_health", lambda: healthy)
         if not closable:
             monkeypatch.setattr(wiring, "close_serve_listener", lambda port: False)

@@ -34,7 +34,7 @@ from roseray.serve.replica_api_processes import ReplicaAPIProcesses, start_share
 from roseray.serve.router_endpoint import RouterEndpoint
 from roseray.serve.router_server import LeanRouterServer
 from roseray.serve.routing import HintConfig, KVQueueRequestRouter, hint_from_body
-from roseray.serve.ticket import REQUEST_ID_HEADER, TICKET_HEADER, TicketSigner, new_secret
+from roseray.serve.ticket import TicketSigner, new_secret
 from roseray.server.api import create_app
 from roseray.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from roseray.server.metrics_share import MetricsShare
@@ -97,7 +97,7 @@ class EngineDeployment:
     def _check_ticket(self, request: Request) -> str | None:
         if wiring.came_through_serve_proxy(request.scope):
             return None  # HAProxy's fallback path: Serve's proxy routed it with the deployment's RequestRouter
-        return self.tickets.verify(request.headers.get(TICKET_HEADER), request.headers.get(REQUEST_ID_HEADER))
+        return self.tickets.check_request(request)
 
     def record_routing_stats(self) -> dict[str, Any]:
         s = self.engine.stats

@@ -53,10 +53,11 @@ import time
 
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
-from roseray.engine.engine_process import IDLE_STATS_INTERVAL_S, EngineProcessClient, spawn_engine_process
+from roseray.engine.engine_process import spawn_engine_process
 from roseray.serve import wiring
 from roseray.serve.replica_port import TIMEOUT_S, listening_socket_fd, wait_until_listed
 from roseray.server.api_processes import Supervisor, spawn_api_worker
+from roseray.server.api_worker import connect_async_engine
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def start_shared_engine(config: EngineConfig, num_processes: int, *, stuck_after
     (drain_timeout_s among them), plus replica_name and ticket_secret."""
     engine_process, pipes = spawn_engine_process(config, num_processes + 1)
     try:
-        client = EngineProcessClient.connect(config, *pipes[0])  # waits until the model is loaded
+        engine = connect_async_engine(config, *pipes[0], stuck_after_s=stuck_after_s)
     except BaseException:
         engine_process.kill()
         engine_process.wait()
@@ -79,8 +80,6 @@ def start_shared_engine(config: EngineConfig, num_processes: int, *, stuck_after
             os.close(commands_fd)
             os.close(outputs_fd)
         raise
-    engine = AsyncLLMEngine(client, max_waiting_requests=config.max_waiting_requests, max_running=config.max_num_seqs,
-                            heartbeat_s=IDLE_STATS_INTERVAL_S, stuck_after_s=stuck_after_s)
     processes = ReplicaAPIProcesses(engine_process, pipes[1:],
                                     {"engine": dataclasses.asdict(config), "stuck_after_s": stuck_after_s, **settings},
                                     app_name=app_name, metrics_dir=tempfile.mkdtemp(prefix="roseray-metrics-"),

@@ -19,10 +19,9 @@ import socket
 
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine, LoopState
-from roseray.engine.engine_process import IDLE_STATS_INTERVAL_S, EngineProcessClient
 from roseray.serve import wiring
-from roseray.serve.ticket import REQUEST_ID_HEADER, TICKET_HEADER, TicketSigner
-from roseray.server.api_worker import read_all, stop_when_parent_dies, worker_parser
+from roseray.serve.ticket import TicketSigner
+from roseray.server.api_worker import connect_async_engine, read_all, stop_when_parent_dies, worker_parser
 from roseray.server.metrics_share import MetricsShare
 from roseray.server.standalone import build_server
 
@@ -65,20 +64,15 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s %(levelname)s {replica_name} %(name)s: %(message)s")
     stop_when_parent_dies(args.lifeline_fd)
     config = EngineConfig(**settings.pop("engine"))
-    client = EngineProcessClient.connect(config, args.commands_fd, args.outputs_fd)
-    engine = AsyncLLMEngine(client, max_waiting_requests=config.max_waiting_requests, max_running=config.max_num_seqs,
-                            heartbeat_s=IDLE_STATS_INTERVAL_S, stuck_after_s=settings.pop("stuck_after_s"))
-    tickets = TicketSigner(settings.pop("ticket_secret"))
-
-    def check_ticket(request) -> str | None:  # the Router's signature, as on the replica's own server
-        return tickets.verify(request.headers.get(TICKET_HEADER), request.headers.get(REQUEST_ID_HEADER))
+    engine = connect_async_engine(config, args.commands_fd, args.outputs_fd, stuck_after_s=settings.pop("stuck_after_s"))
+    tickets = TicketSigner(settings.pop("ticket_secret"))  # the Router's signature, as on the replica's own server
 
     def say_ready() -> None:
         os.write(args.ready_fd, b"1")
         os.close(args.ready_fd)
 
     sock = socket.socket(fileno=args.socket_fd)
-    build_server(engine, replica_name=replica_name, request_guard=check_ticket,
+    build_server(engine, replica_name=replica_name, request_guard=tickets.check_request,
                  metrics_share=MetricsShare(args.metrics_dir, args.index), wrap_app=lambda app: ServeProbes(app, engine),
                  on_started=say_ready, **settings).run(sockets=[sock])
     return 0

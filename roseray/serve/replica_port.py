@@ -21,7 +21,7 @@ TIMEOUT_S = 300.0
 
 def wait_until_listed(lookup: Callable[[], int | None], stopping: Callable[[], bool],
                       timeout_s: float = TIMEOUT_S) -> int | None:
-    """The port `lookup()` returns (wiring.own_http_port / own_router_http_port) once the
+    """The port `lookup()` returns (wiring.own_http_port) once the
     controller lists it; None if `stopping()` first. Raises after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while (port := lookup()) is None:

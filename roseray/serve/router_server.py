@@ -5,7 +5,7 @@ proxy-header middlewares, ingress metrics, the ongoing-request count); at a burs
 decisions, queued one after another in the Router, that is most of each decision's CPU
 (roseray's own code was ~14%). HAProxy's Lua needs much less: one request per connection,
 `HTTP/1.0` with `Connection: close`, read to EOF. So once the controller lists the Router
-replica's port (`wiring.own_router_http_port`), `LeanRouterServer` duplicates Serve's listening
+replica's port (`wiring.own_http_port(..., router=True)`), `LeanRouterServer` duplicates Serve's listening
 socket, serves the duplicate with `RouteProtocol` on the replica's event loop (the same loop
 as the DeploymentHandle's router: ROUTER_ACTOR_OPTIONS in app.py) and closes Serve's server
 (`wiring.close_serve_listener`). Both call the same `RouterEndpoint.respond`. If any step
@@ -180,7 +180,7 @@ class LeanRouterServer:
 
     def _take_over_when_listed(self) -> None:
         try:
-            port = wait_until_listed(lambda: wiring.own_router_http_port(self.app_name), lambda: self._stopping)
+            port = wait_until_listed(lambda: wiring.own_http_port(self.app_name, router=True), lambda: self._stopping)
             if port is None:
                 return
             health = wiring.serve_replica_health()

@@ -42,6 +42,11 @@ class TicketSigner:
         expiry = int((time.time() if now is None else now) + self.ttl_s)
         return f"{_VERSION}.{expiry}.{self._mac(request_id, expiry)}"
 
+    def check_request(self, request) -> str | None:
+        """verify() of a request's own ticket and request id headers (an engine's request_guard)."""
+        headers = request.headers
+        return self.verify(headers.get(TICKET_HEADER), headers.get(REQUEST_ID_HEADER))
+
     def verify(self, ticket: str | None, request_id: str | None, now: float | None = None) -> str | None:
         """None when the ticket is valid for this request id, else why it is not."""
         if not ticket:

@@ -44,6 +44,7 @@ import ray
 import uvicorn
 from ray.serve import Application
 from ray.serve._private import constants as serve_constants
+from ray.serve._private.replica import Replica
 from ray.serve.handle import DeploymentHandle
 
 PINNED_RAY_VERSION = "2.60.0"
@@ -101,27 +102,42 @@ async def pick_replica(handle: DeploymentHandle, *route_args, reserve: bool = Fa
         return ReplicaPick(host=endpoint[0], port=endpoint[1], replica_id=replica.replica_id.to_full_id_str())
 
 
+def _http_targets(app_name: str, routers: bool = False) -> list[tuple[str, int, str]]:
+    """(node ip, port, actor name) of each replica of `app_name`'s ingress deployment as
+    HAProxy sees them, or with `routers` of its ingress request router (the Router) as
+    HAProxy's Lua asks them (`ingress_request_router_targets`). Blocking actor calls."""
+    controller = ray.get_actor(serve_constants.SERVE_CONTROLLER_NAME, namespace=serve_constants.SERVE_NAMESPACE)
+    groups = ray.get(controller.get_target_groups.remote(app_name, True))
+    return sorted({(t.ip, t.port, t.name) for g in groups if g.app_name == app_name
+                   and str(getattr(g.protocol, "value", g.protocol)).upper() == "HTTP"
+                   for t in ((g.ingress_request_router_targets or ()) if routers else g.targets)})
+
+
 def engine_http_targets(app_name: str) -> list[tuple[str, int]]:
     """(node ip, port) of each replica of `app_name`'s ingress deployment, as HAProxy
     sees them (call from a process connected to the cluster)."""
-    controller = ray.get_actor(serve_constants.SERVE_CONTROLLER_NAME, namespace=serve_constants.SERVE_NAMESPACE)
-    groups = ray.get(controller.get_target_groups.remote(app_name, True))
-    return sorted({(t.ip, t.port) for g in groups if g.app_name == app_name
-                   and str(getattr(g.protocol, "value", g.protocol)).upper() == "HTTP" for t in g.targets})
+    return sorted({(ip, port) for ip, port, _ in _http_targets(app_name)})
 
 
-def own_http_port(app_name: str) -> int | None:
-    """This replica's HTTP port as the controller lists it for HAProxy, or None while it is not
-    listed yet (the port is bound after the constructor returns). Call from a replica's thread,
-    not its event loop (blocking actor calls)."""
+def own_http_port(app_name: str, router: bool = False) -> int | None:
+    """This replica's HTTP port as the controller lists it for HAProxy (`router`: this is a
+    Router replica), or None while it is not listed yet (the port is bound after the
+    constructor returns). Call from a replica's thread, not its event loop."""
     actor_name = ray.get_runtime_context().get_actor_name()
-    controller = ray.get_actor(serve_constants.SERVE_CONTROLLER_NAME, namespace=serve_constants.SERVE_NAMESPACE)
-    for group in ray.get(controller.get_target_groups.remote(app_name, True)):
-        if group.app_name == app_name and str(getattr(group.protocol, "value", group.protocol)).upper() == "HTTP":
-            for target in group.targets:
-                if target.name == actor_name:
-                    return target.port
-    return None
+    return next((port for _, port, name in _http_targets(app_name, router) if name == actor_name), None)
+
+
+def _live_objects() -> list:
+    """Every object the garbage collector tracks, those frozen at start-up included
+    (freeze_startup_objects: gc.get_objects() leaves them out)."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    try:
+        return gc.get_objects()
+    finally:
+        if frozen:
+            gc.freeze()
 
 
 def close_serve_listener(port: int) -> bool:
@@ -131,14 +147,7 @@ def close_serve_listener(port: int) -> bool:
     stops (an idle keep-alive connection now, a busy one after its response): HAProxy then
     opens new ones, which the API processes accept. Found among the live objects, frozen
     ones included. False if no such server is found (a Ray upgrade)."""
-    frozen = gc.get_freeze_count() > 0  # objects frozen at start-up (freeze_startup_objects) are not listed
-    if frozen:
-        gc.unfreeze()
-    try:
-        objects = gc.get_objects()
-    finally:
-        if frozen:
-            gc.freeze()
+    objects = _live_objects()
     listeners, http_servers = [], []
     for candidate in objects:
         kind = type(candidate)  # not isinstance: some objects' __class__ warns when read (torch's deprecated ones)
@@ -191,35 +200,6 @@ def serve_replica_health():
     for this replica (Replica._dataplane_health_check: "DRAINING" from the start of its
     graceful shutdown, "UNHEALTHY" after a failed check_health). Found among the live objects
     (call once, off the event loop if it matters); None if not found (a Ray upgrade)."""
-    from ray.serve._private.replica import Replica
-
-    frozen = gc.get_freeze_count() > 0
-    if frozen:
-        gc.unfreeze()
-    try:
-        replicas = [o for o in gc.get_objects() if issubclass(type(o), Replica)]
-    finally:
-        if frozen:
-            gc.freeze()
+    replicas = [o for o in _live_objects() if issubclass(type(o), Replica)]
     check = getattr(replicas[0], "_dataplane_health_check", None) if len(replicas) == 1 else None
     return check if asyncio.iscoroutinefunction(check) else None
-
-
-def own_router_http_port(app_name: str) -> int | None:
-    """own_http_port for a replica of `app_name`'s ingress request router (the Router): the
-    controller lists those ports in each target group's `ingress_request_router_targets`."""
-    actor_name = ray.get_runtime_context().get_actor_name()
-    for host, port, name in router_http_targets(app_name, with_names=True):
-        if name == actor_name:
-            return port
-    return None
-
-
-def router_http_targets(app_name: str, with_names: bool = False) -> list[tuple]:
-    """(node ip, port) of each replica of `app_name`'s ingress request router (the Router),
-    as HAProxy's Lua asks them; with_names: (ip, port, actor name)."""
-    controller = ray.get_actor(serve_constants.SERVE_CONTROLLER_NAME, namespace=serve_constants.SERVE_NAMESPACE)
-    groups = ray.get(controller.get_target_groups.remote(app_name, True))
-    return sorted({(t.ip, t.port, t.name) if with_names else (t.ip, t.port) for g in groups if g.app_name == app_name
-                   and str(getattr(g.protocol, "value", g.protocol)).upper() == "HTTP"
-                   for t in (getattr(g, "ingress_request_router_targets", None) or ())})

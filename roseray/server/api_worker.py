@@ -43,6 +43,16 @@ def stop_when_parent_dies(lifeline_fd: int) -> None:
     threading.Thread(target=watch, name="roseray-lifeline", daemon=True).start()
 
 
+def connect_async_engine(config: EngineConfig, commands_fd: int, outputs_fd: int, **kwargs) -> AsyncLLMEngine:
+    """The AsyncLLMEngine (not started) of one client of a shared engine child (its pipe pair).
+    Every client checks the engine-wide queue (in the engine's stats) against the whole limit,
+    and an idle loop wakes as often as the engine sends an idle client its stats (a scrape
+    then sees them)."""
+    client = EngineProcessClient.connect(config, commands_fd, outputs_fd)  # waits until the model is loaded
+    return AsyncLLMEngine(client, max_waiting_requests=config.max_waiting_requests, max_running=config.max_num_seqs,
+                          heartbeat_s=IDLE_STATS_INTERVAL_S, **kwargs)
+
+
 def worker_parser(description: str) -> argparse.ArgumentParser:
     """The arguments api_processes.spawn_api_worker gives an API process."""
     parser = argparse.ArgumentParser(description=description)
@@ -65,11 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s")
     stop_when_parent_dies(args.lifeline_fd)
     config = EngineConfig(**settings.pop("engine"))
-    client = EngineProcessClient.connect(config, args.commands_fd, args.outputs_fd)
-    # the engine-wide queue (in the engine's stats) is checked against the whole limit in every process
-    # an idle loop wakes as often as the engine sends an idle process its stats: a scrape here sees them
-    engine = AsyncLLMEngine(client, max_waiting_requests=config.max_waiting_requests, max_running=config.max_num_seqs,
-                            heartbeat_s=IDLE_STATS_INTERVAL_S)
+    engine = connect_async_engine(config, args.commands_fd, args.outputs_fd)
     sock = socket.socket(fileno=args.socket_fd)
     build_server(engine, replica_suffix=f"/{name}", metrics_share=MetricsShare(args.metrics_dir, args.index),
                  **settings).run(sockets=[sock])
