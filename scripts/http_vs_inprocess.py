@@ -23,8 +23,8 @@ import urllib.request
 
 import numpy as np
 
-from roseray.bench.common import percentiles
-from roseray.bench.stream import run_seed
+from roseray.bench.common import engine_cpu_use, percentiles
+from roseray.bench.stream import median_pass, run_seed
 
 
 async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, list[float], int, str]:
@@ -118,18 +118,29 @@ def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api
         server.wait(60)
 
 
+def _cpu_text(run: dict) -> str:
+    if "engine_process_cpu_s" not in run:
+        return ""
+    return (f"; engine process {run['engine_process_cpu_s'] * 1e3:.0f} ms on CPU, "
+            f"{run['engine_process_runqueue_wait_s'] * 1e3:.1f} ms waiting for one")
+
+
 def compare(http: dict, inproc: dict, label: str) -> dict:
     """The HTTP run against the in-process one: the issue's two ratios, printed and returned."""
     ratio = http["throughput_tok_s"] / inproc["throughput_tok_s"]
     itl_over_step = http["itl_ms"]["p50"] / inproc["tpot_ms"]["p50"]
     chunk_gap_over_step = http["chunk_gap_ms"]["p50"] / inproc["tpot_ms"]["p50"]
-    print(f"in-process {inproc['throughput_tok_s']:,.0f} tok/s (TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms); "
-          f"HTTP {http['throughput_tok_s']:,.0f} tok/s = {ratio:.0%}; HTTP ITL p50 {http['itl_ms']['p50']:.2f} ms "
+    spread = lambda r: (f" [median of {', '.join(f'{t / 1e3:.0f}k' for t in r['passes_tok_s'])}]"  # noqa: E731
+                        if len(r.get("passes_tok_s", ())) > 1 else "")
+    print(f"in-process {inproc['throughput_tok_s']:,.0f} tok/s{spread(inproc)} (TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms); "
+          f"HTTP {http['throughput_tok_s']:,.0f} tok/s{spread(http)} = {ratio:.0%}; "
+          f"HTTP ITL p50 {http['itl_ms']['p50']:.2f} ms "
           f"= {itl_over_step:.2f}x the engine step; HTTP TTFT p50 {http['ttft_ms']['p50']:.1f} ms, "
           f"ITL p99 {http['itl_ms']['p99']:.2f} ms; HTTP TPOT p50 {http['tpot_ms']['p50']:.2f} ms; "
           f"{http['gaps_under_50us_fraction']:.0%} of gaps < 50 us (events that arrived together); "
           f"chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms = {chunk_gap_over_step:.2f}x the step, "
-          f"{http['events_per_chunk']:.2f} events per chunk; {label}")
+          f"{http['events_per_chunk']:.2f} events per chunk; {label}; in-process{_cpu_text(inproc) or ': -'}; "
+          f"HTTP{_cpu_text(http) or ': -'}")
     return {"in_process": inproc, "http": http, "http_over_in_process": ratio,
             "http_itl_p50_over_engine_step": itl_over_step, "http_chunk_gap_p50_over_engine_step": chunk_gap_over_step}
 
@@ -146,8 +157,12 @@ def main() -> None:
                         help="measure the server already listening here (e.g. the Ray Serve app) and write the "
                              "HTTP half only; compare later with --against-http")
     parser.add_argument("--passes", type=int, default=1,
-                        help="with --server-port: measure this many bursts one after another and compare the last "
-                             "(the earlier ones warm the server for the burst's arrival pattern)")
+                        help="with --server-port: measure this many bursts one after another and compare the median "
+                             "of all but the first (which warms the server for the burst's arrival pattern); with "
+                             "--against-http: the in-process bursts (after its warm-up), the median compared")
+    parser.add_argument("--engine-pid", type=int, default=None,
+                        help="with --server-port: the server's engine process, whose CPU time and run-queue wait "
+                             "each pass records (from /proc/PID/schedstat)")
     parser.add_argument("--against-http", default=None,
                         help="a --server-port run's JSON: run the in-process half now and compare with it")
     parser.add_argument("--out", default=None)
@@ -155,19 +170,24 @@ def main() -> None:
     if args.server_port is not None:
         passes = []
         for index in range(args.passes):
-            http = _clients(args.server_port, args.model, args.num_requests, args.max_tokens, args.client_processes)
+            with engine_cpu_use(args.engine_pid) as cpu:
+                http = _clients(args.server_port, args.model, args.num_requests, args.max_tokens,
+                                args.client_processes)
+            http.update(cpu)
             passes.append(http)
             print(f"pass {index + 1}/{args.passes}: HTTP {http['throughput_tok_s']:,.0f} tok/s, TTFT p50 "
                   f"{http['ttft_ms']['p50']:.1f} ms (p95 {http['ttft_ms']['p95']:.1f}), chunk gap p50 "
                   f"{http['chunk_gap_ms']['p50']:.2f} ms, {http['events_per_chunk']:.2f} events per chunk; "
-                  f"streams per process {sorted(http['served_by'].values(), reverse=True)}")
-        # the last pass is the one compared; the earlier ones are in the JSON
-        result = {"http": {**passes[-1], "server_port": args.server_port, "pass": args.passes,
-                           "earlier_passes": passes[:-1]}}
+                  f"streams per process {sorted(http['served_by'].values(), reverse=True)}{_cpu_text(http)}")
+        # a W-seed burst lasts ~0.1 s: one pass is noisy, the median of the warm ones is compared
+        warm = passes[1:] if len(passes) > 1 else passes
+        result = {"http": {**median_pass(warm), "server_port": args.server_port, "warm_passes": len(warm),
+                           "all_passes": passes}}
     elif args.against_http is not None:
         with open(args.against_http) as f:
             http = json.load(f)["http"]
-        result = compare(http, run_seed(args.model, args.num_requests, {}), f"server on port {http['server_port']}")
+        inproc = run_seed(args.model, args.num_requests, {}, passes=args.passes)
+        result = compare(http, inproc, f"server on port {http['server_port']}")
     else:
         # HTTP first: the server process must find the GPU free (each engine sizes its KV
         # cache from the memory left), and the in-process engine runs after it has exited.

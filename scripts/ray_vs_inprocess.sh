@@ -13,7 +13,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/ray_vs_inprocess}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 MODEL=${MODEL:-random:gpt2}; MAXLEN=${MAXLEN:-1024}; GPUS=${GPUS:-1}; ENGINE=${ENGINE:-'{}'}
 NUM_REQUESTS=${NUM_REQUESTS:-128}; MAX_TOKENS=${MAX_TOKENS:-128}
-PASSES=${PASSES:-1}  # HTTP bursts one after another; the last is compared (PASSES=2: the first warms the server)
+# PASSES: HTTP bursts one after another; the first warms the server, the median of the rest is compared
+# with the median of as many in-process bursts (a burst lasts ~0.1 s on an H100: one is noisy)
+PASSES=${PASSES:-1}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-$NUM_REQUESTS}; MAX_WAITING=${MAX_WAITING:-1024}
 PORT=${PORT:-8000}; START_TIMEOUT=${START_TIMEOUT:-180}; MAXID=${MAXID:-10000}; LONG_TOKENS=${LONG_TOKENS:-64}
 export PYTHONUNBUFFERED=1 PORT MODEL MAXLEN GPUS ENGINE MAX_NUM_SEQS MAX_WAITING  # read by write_config
@@ -27,8 +29,11 @@ trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left 
 
 sizes=(--model "$MODEL" --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS")
 start_server ray 1 kv_queue || exit 1
+engine_pid=$(pgrep -f "roseray.engine.engine_process" | head -1)  # its CPU use per pass is recorded
+[ -n "${PIN_ENGINE:-}" ] && python scripts/pin_engine_cpu.py "$engine_pid"
 python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --passes "$PASSES" --out "$OUT/ray_http.json" \
+    ${engine_pid:+--engine-pid "$engine_pid"} \
     || { echo "the HTTP half failed"; exit 1; }
 stop_server
-python scripts/http_vs_inprocess.py "${sizes[@]}" --against-http "$OUT/ray_http.json" \
+python scripts/http_vs_inprocess.py "${sizes[@]}" --against-http "$OUT/ray_http.json" --passes $((PASSES > 1 ? PASSES - 1 : 1)) \
     --out "$OUT/ray_vs_inprocess.json" 2>&1 | grep -v " INFO "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import platform
@@ -18,6 +19,30 @@ def percentiles(values, qs=(50, 95, 99)) -> dict[str, float]:
     if arr.size == 0:
         return {f"p{q}": float("nan") for q in qs}
     return {f"p{q}": float(np.percentile(arr, q)) for q in qs}
+
+
+def cpu_and_wait_s(pid: int) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of process `pid` so far,
+    from /proc/PID/schedstat (its main thread); None where the kernel does not keep it.
+    Waiting time that grows during a run means the process was short of CPU."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            on_cpu_ns, waiting_ns = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu_ns) / 1e9, int(waiting_ns) / 1e9
+
+
+@contextlib.contextmanager
+def engine_cpu_use(pid: int | None):
+    """Fills the yielded dict, on exit, with the engine process's CPU seconds and run-queue
+    waiting seconds over the block (nothing when `pid` is None or /proc has no schedstat)."""
+    found: dict[str, float] = {}
+    before = cpu_and_wait_s(pid) if pid else None
+    yield found
+    after = cpu_and_wait_s(pid) if before else None
+    if after:
+        found.update(engine_process_cpu_s=after[0] - before[0], engine_process_runqueue_wait_s=after[1] - before[1])
 
 
 def resolve_loop(loop: str) -> str:
