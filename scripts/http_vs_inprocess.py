@@ -173,7 +173,7 @@ def main() -> None:
             with engine_cpu_use(args.engine_pid) as cpu:
                 http = _clients(args.server_port, args.model, args.num_requests, args.max_tokens,
                                 args.client_processes)
-            http.update(cpu)
+            http.update(cpu, ended_unix=time.time())  # the burst is the last wall_s before this
             passes.append(http)
             print(f"pass {index + 1}/{args.passes}: HTTP {http['throughput_tok_s']:,.0f} tok/s, TTFT p50 "
                   f"{http['ttft_ms']['p50']:.1f} ms (p95 {http['ttft_ms']['p95']:.1f}), chunk gap p50 "

@@ -15,7 +15,7 @@ MODEL=${MODEL:-random:gpt2}; MAXLEN=${MAXLEN:-1024}; GPUS=${GPUS:-1}; ENGINE=${E
 NUM_REQUESTS=${NUM_REQUESTS:-128}; MAX_TOKENS=${MAX_TOKENS:-128}
 # PASSES: HTTP bursts one after another; the first warms the server, the median of the rest is compared
 # with the median of as many in-process bursts (a burst lasts ~0.1 s on an H100: one is noisy)
-PASSES=${PASSES:-1}
+PASSES=${PASSES:-4}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-$NUM_REQUESTS}; MAX_WAITING=${MAX_WAITING:-1024}
 PORT=${PORT:-8000}; START_TIMEOUT=${START_TIMEOUT:-180}; MAXID=${MAXID:-10000}; LONG_TOKENS=${LONG_TOKENS:-64}
 export PYTHONUNBUFFERED=1 PORT MODEL MAXLEN GPUS ENGINE MAX_NUM_SEQS MAX_WAITING  # read by write_config
@@ -30,7 +30,6 @@ trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left 
 sizes=(--model "$MODEL" --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS")
 start_server ray 1 kv_queue || exit 1
 engine_pid=$(pgrep -f "roseray.engine.engine_process" | head -1)  # its CPU use per pass is recorded
-[ -n "${PIN_ENGINE:-}" ] && python scripts/pin_engine_cpu.py "$engine_pid"
 python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --passes "$PASSES" --out "$OUT/ray_http.json" \
     ${engine_pid:+--engine-pid "$engine_pid"} \
     || { echo "the HTTP half failed"; exit 1; }

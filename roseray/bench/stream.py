@@ -120,7 +120,7 @@ def run_seed(model: str, num_requests: int, engine_args: dict, timeline: bool = 
             with engine_cpu_use(child) as cpu:
                 run = run_async(_run(engine, prompts, params, Timeline(engine.engine) if timeline and not runs
                                      else None, tag=f"seed{index}"), loop)
-            runs.append({**run, **cpu})
+            runs.append({**run, **cpu, "ended_unix": time.time()})
         result = median_pass(runs)
         if timeline:  # the first pass's, whichever is the median
             result["timeline"] = runs[0]["timeline"]

@@ -1,0 +1,69 @@
+"""The W-seed measurement's own parts: several bursts with the median one reported, and
+the engine process's CPU time and run-queue wait read from /proc."""
+
+import os
+import sys
+import time
+
+import pytest
+
+from roseray.bench import stream
+from roseray.bench.common import cpu_and_wait_s, engine_cpu_use
+from roseray.sampling_params import SamplingParams
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/schedstat")
+
+
+def _run(tok_s: float) -> dict:
+    return {"throughput_tok_s": tok_s, "ttft_ms": {"p50": tok_s / 1e3}}
+
+
+def test_median_pass_reports_the_middle_burst_and_every_burst():
+    chosen = stream.median_pass([_run(150e3), _run(90e3), _run(180e3)])
+    assert chosen["throughput_tok_s"] == 150e3
+    assert chosen["ttft_ms"] == {"p50": 150.0}  # the whole pass, not a mix of passes
+    assert chosen["passes_tok_s"] == [150e3, 90e3, 180e3]  # in the order they ran
+    assert stream.median_pass([_run(1.0), _run(2.0)])["throughput_tok_s"] == 2.0  # the upper of two
+    assert stream.median_pass([_run(7.0)])["passes_tok_s"] == [7.0]
+
+
+@linux_only
+def test_cpu_and_wait_s_counts_this_process_cpu_time():
+    before = cpu_and_wait_s(os.getpid())
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    after = cpu_and_wait_s(os.getpid())
+    assert after[0] - before[0] >= 0.03
+    assert after[1] >= before[1] >= 0.0
+    assert cpu_and_wait_s(2**22 + 12345) is None  # no such process
+
+
+@linux_only
+def test_engine_cpu_use_fills_its_dict_only_with_a_process():
+    with engine_cpu_use(None) as nothing:
+        pass
+    assert nothing == {}
+    with engine_cpu_use(os.getpid()) as found:
+        deadline = time.process_time() + 0.03
+        while time.process_time() < deadline:
+            pass
+    assert set(found) == {"engine_process_cpu_s", "engine_process_runqueue_wait_s"}
+    assert found["engine_process_cpu_s"] > 0.0
+
+
+@linux_only
+def test_run_seed_measures_several_bursts_on_one_engine_process(monkeypatch):
+    # W-seed's prompt token is GPT-2's; the tiny preset's vocabulary is smaller
+    def small_workload(num_requests):
+        return ([[7] for _ in range(num_requests)],
+                [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4) for _ in range(num_requests)])
+
+    monkeypatch.setattr(stream, "seed_workload", small_workload)
+    result = stream.run_seed("random:tiny", 3, {"device": "cpu", "engine_process": True}, passes=3)
+    assert len(result["passes_tok_s"]) == 3
+    assert result["throughput_tok_s"] == sorted(result["passes_tok_s"])[1]
+    assert result["completion_tokens"] == 3 * 4  # one burst's tokens, not the three passes' sum
+    assert result["engine_process"] is True
+    assert result["engine_process_cpu_s"] > 0.0  # the child's, read while it served this pass
+    assert result["engine_process_runqueue_wait_s"] >= 0.0
