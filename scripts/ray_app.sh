@@ -3,7 +3,7 @@
 # Ray of its own), wait until every replica answers through HAProxy, stop it and wait for the
 # GPUs to be free. Source it after setting OUT PORT MODEL MAXLEN GPUS ENGINE MAX_NUM_SEQS
 # MAX_WAITING START_TIMEOUT MAXID LONG_TOKENS (the warm-up's prompt length); optional:
-# API_PROCS (api_processes_per_replica), ROUTERS (router.num_replicas; the caller evals haproxy_env
+# API_PROCS (api_processes_per_replica), ROUTERS (router.num_replicas, a number or auto; the caller evals haproxy_env
 # with --router-replicas-per-node $ROUTERS before Ray starts), TICKET_SECRET (the app's).
 url=http://127.0.0.1:$PORT
 server=""
@@ -33,7 +33,8 @@ if os.environ.get("API_PROCS"):  # the engine replicas' API processes (default: 
 if os.environ.get("TICKET_SECRET"):  # known to a probe that signs its own tickets (ray_burst_probe.py)
     args["ticket_secret"] = os.environ["TICKET_SECRET"]
 if os.environ.get("ROUTERS"):  # Router replicas (HAProxy's Lua takes turns between them)
-    args["router"]["num_replicas"] = int(os.environ["ROUTERS"])
+    routers = os.environ["ROUTERS"]
+    args["router"]["num_replicas"] = int(routers) if routers.isdigit() else routers
 EngineConfig(**AppArgs(**args).engine)  # fail here, not in a replica
 with open(path, "w") as f:
     yaml.safe_dump(config, f, sort_keys=False)

@@ -42,7 +42,7 @@ export PYTHONUNBUFFERED=1 PORT MODEL MAXLEN GPUS ENGINE MAX_NUM_SEQS MAX_WAITING
 left() { echo $((BUDGET_S - SECONDS)); }
 python -c "import roseray_kernels" 2>/dev/null \
     || python -m pip install --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "install failed"
-eval "$(python -m roseray.serve.haproxy_env --router-replicas-per-node "${ROUTERS:-1}")"  # ROUTERS: Router replicas
+eval "$(python -m roseray.serve.haproxy_env --router-replicas-per-node "${ROUTERS:-auto}")"  # ROUTERS: Router replicas (auto: 4 with GPUs)
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
 source "$(dirname "$0")/ray_app.sh"
 trap 'stop_server' EXIT

@@ -125,19 +125,21 @@ class RayServeCluster:
 
     def __init__(self, args: dict | None = None) -> None:
         """`args`: app args over the shared cluster's (tests/test_serve_api_processes.py)."""
-        from roseray.serve.haproxy_env import haproxy_env
+        from roseray.serve.haproxy_env import ROUTER_REPLICAS_ENV, haproxy_env
 
         self.state_dir = tempfile.mkdtemp(prefix="rrh", dir="/tmp")  # short: HAProxy's unix socket paths
         self.ray_tmp = tempfile.mkdtemp(prefix="rrt", dir="/tmp")
         self.port, self.stats_port, self.metrics_port, self.fallback_port = (free_port() for _ in range(4))
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, **haproxy_env(self.state_dir),
+        # one Router on any machine (auto would run four where it finds a GPU)
+        env = {**os.environ, **haproxy_env(self.state_dir, router_replicas_per_node=1),
                "RAY_SERVE_HAPROXY_STATS_PORT": str(self.stats_port),
                "RAY_SERVE_HAPROXY_METRICS_PORT": str(self.metrics_port),
                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(self.fallback_port),
                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))}
         env.pop("RAY_ADDRESS", None)
+        env.pop(ROUTER_REPLICAS_ENV, None)
         self.log = open(os.path.join(self.ray_tmp, "cluster.log"), "w+")
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), json.dumps({"port": self.port, "ray_tmp": self.ray_tmp,

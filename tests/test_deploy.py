@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import os
 import re
 import shlex
 import shutil
@@ -276,11 +277,13 @@ def image_haproxy_dir(env: dict) -> str:
 
 
 def serving_env(state_dir: str, tmp_path: Path) -> dict[str, str]:
-    """What `python -m roseray.serve.haproxy_env --dir <state_dir>` exports (run for real in a
-    temporary directory, then named with `state_dir`)."""
+    """What `python -m roseray.serve.haproxy_env --dir <state_dir>` exports on a GPU node (run
+    for real in a temporary directory, then named with `state_dir`; the image is for GPU
+    nodes: CUDA_VISIBLE_DEVICES=0 makes this machine count as one)."""
     tmp_dir = tmp_path / "haproxy"
     out = subprocess.run([sys.executable, "-m", "roseray.serve.haproxy_env", "--dir", str(tmp_dir)],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+                         capture_output=True, text=True, timeout=60, cwd=REPO,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
     assert out.returncode == 0, out.stderr
     env = {}
     for line in out.stdout.splitlines():

@@ -183,18 +183,64 @@ def test_power_of_two_picks_through_serves_reservation(monkeypatch):
 def test_router_replicas_come_from_the_env_ray_reads_and_the_config_must_agree(tmp_path, monkeypatch):
     """Ray 2.60 runs RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE Router replicas per proxy node and
     ignores the deployment's num_replicas: haproxy_env exports the count, router.num_replicas
-    must say the same (a config that asks for 4 and gets 1 is refused)."""
+    is auto (that count) or must say the same (a config that asks for 4 and gets 1 is refused)."""
     from roseray.serve import haproxy_env
     from roseray.serve.app import RouterArgs
 
     name = haproxy_env.ROUTER_REPLICAS_ENV
-    assert name not in haproxy_env.haproxy_env(str(tmp_path / "hap"))  # Ray's default, the image's env unchanged
-    assert haproxy_env.haproxy_env(str(tmp_path / "hap"), router_replicas_per_node=4)[name] == "4"
+    hap = str(tmp_path / "hap")
+    assert name not in haproxy_env.haproxy_env(hap, router_replicas_per_node=1)  # Ray's default
+    assert haproxy_env.haproxy_env(hap, router_replicas_per_node=4)[name] == "4"
     monkeypatch.delenv(name, raising=False)
-    assert RouterArgs().num_replicas == 1
+    assert RouterArgs().num_replicas == "auto" and RouterArgs().replicas() == 1
+    assert RouterArgs(num_replicas=1).replicas() == 1
     with pytest.raises(ValueError, match="--router-replicas-per-node 4"):
         RouterArgs(num_replicas=4)
     monkeypatch.setenv(name, "4")
-    assert RouterArgs(num_replicas=4).num_replicas == 4
+    assert RouterArgs().replicas() == 4
+    assert RouterArgs(num_replicas=4).replicas() == 4
     with pytest.raises(ValueError, match="RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE=4"):
-        RouterArgs()
+        RouterArgs(num_replicas=1)
+
+
+@pytest.mark.parametrize("visible, dev_files, gpus", [
+    (None, ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"], 2),  # the device files, not the control ones
+    (None, [], 0),
+    ("0,1,2", [], 3),
+    ("", ["nvidia0"], 0),  # hidden from CUDA
+    ("-1", ["nvidia0"], 0),
+    ("0,-1,1", [], 1),  # CUDA stops at the first invalid entry
+    ("GPU-5f2c", [], 1),  # a UUID
+])
+def test_haproxy_env_auto_picks_four_routers_on_a_gpu_node(tmp_path, monkeypatch, visible, dev_files, gpus):
+    from roseray.serve import haproxy_env
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in dev_files:
+        (dev / name).touch()
+    real_glob = haproxy_env.glob.glob
+    monkeypatch.setattr(haproxy_env.glob, "glob",
+                        lambda pattern: real_glob(pattern.replace("/dev/", f"{dev}/")))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert haproxy_env.local_gpu_count() == gpus
+    expected = haproxy_env.GPU_ROUTER_REPLICAS if gpus else 1
+    assert haproxy_env.auto_router_replicas() == expected
+    env = haproxy_env.haproxy_env(str(tmp_path / "hap"))  # the default is auto
+    assert env.get(haproxy_env.ROUTER_REPLICAS_ENV, "1") == str(expected)
+
+
+def test_haproxy_env_cli_takes_auto_or_a_count(tmp_path, monkeypatch, capsys):
+    from roseray.serve import haproxy_env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert haproxy_env.main(["--dir", str(tmp_path / "a")]) == 0
+    assert f"export {haproxy_env.ROUTER_REPLICAS_ENV}=4" in capsys.readouterr().out
+    assert haproxy_env.main(["--dir", str(tmp_path / "b"), "--router-replicas-per-node", "1"]) == 0
+    assert haproxy_env.ROUTER_REPLICAS_ENV not in capsys.readouterr().out
+    for bad in ("0", "two", "-3"):
+        with pytest.raises(SystemExit):
+            haproxy_env.main(["--dir", str(tmp_path / "c"), "--router-replicas-per-node", bad])

@@ -94,7 +94,8 @@ def test_serve_proxy_fallback_is_recognised_by_its_port():
 
 
 def test_haproxy_env_names_flags_serve_reads(tmp_path):
-    env = haproxy_env.haproxy_env(str(tmp_path / "hap"))
+    env = haproxy_env.haproxy_env(str(tmp_path / "hap"), router_replicas_per_node=4)  # every name it can export
+    assert haproxy_env.ROUTER_REPLICAS_ENV in env
     for name in env:
         assert hasattr(serve_constants, name), f"Serve no longer reads {name}"
 

@@ -188,9 +188,10 @@ class RouterArgs(BaseModel):
     affinity_max_imbalance: int = 4  # prefix affinity yields when its replica's queue is longer than this
     chars_per_token: float | None = None  # prompt-size estimate; default 1 for random:* (bytes), 4 otherwise
     # Router replicas on each proxy node. Ray 2.60 sizes the Router by RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE
-    # (read at `ray start`: `python -m roseray.serve.haproxy_env --router-replicas-per-node N`), not by this;
-    # it must agree with that environment, so that the config says what runs.
-    num_replicas: int = Field(1, validate_default=True)
+    # (read at `ray start`: `python -m roseray.serve.haproxy_env [--router-replicas-per-node N]`, whose auto
+    # is 4 on a GPU node, 1 without), not by this. "auto": what that environment says; a number must agree
+    # with it, so that the config says what runs.
+    num_replicas: int | Literal["auto"] = "auto"
     # kv_queue: roseray's KVQueueRequestRouter (queue depth, free KV blocks, prefix affinity).
     # power_of_two: Ray Serve's default PowerOfTwoChoicesRequestRouter on the same data path
     # (HAProxy -> Router -> the replica streams itself), to compare routers; ignores the KV
@@ -199,13 +200,17 @@ class RouterArgs(BaseModel):
 
     @field_validator("num_replicas")
     @classmethod
-    def _ray_runs_that_many(cls, value: int) -> int:
+    def _ray_runs_that_many(cls, value: int | str) -> int | str:
         per_node = int(os.environ.get(ROUTER_REPLICAS_ENV) or 1)
-        if value != per_node:
+        if value != "auto" and value != per_node:
             raise ValueError(f"router.num_replicas={value}, but Ray runs {ROUTER_REPLICAS_ENV}={per_node} Router "
                              f"replica(s) per proxy node and ignores the deployment's count: start Ray after "
                              f"`eval \"$(python -m roseray.serve.haproxy_env --router-replicas-per-node {value})\"`")
         return value
+
+    def replicas(self) -> int:
+        """The Router replicas Ray runs on each proxy node."""
+        return int(os.environ.get(ROUTER_REPLICAS_ENV) or 1) if self.num_replicas == "auto" else self.num_replicas
 
 
 class AppArgs(BaseModel):
@@ -291,9 +296,10 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
            app_args.drain_timeout_s, app_args.stuck_after_s, app_args.log_requests, app_args.cors_origins,
            app_args.max_body_bytes, api_processes)
     router = RouterDeployment.options(
-        num_replicas=app_args.router.num_replicas, ray_actor_options=ROUTER_ACTOR_OPTIONS,
+        num_replicas=app_args.router.replicas(), ray_actor_options=ROUTER_ACTOR_OPTIONS,
         max_ongoing_requests=10_000,
     ).bind(engine, secret, hint_config, app_args.router.policy)
-    logger.info("roseray app: %d engine replica(s) of %s, %s GPU and %d API process(es) each, router policy %s",
-                num_replicas, engine_config.model, num_gpus, api_processes, app_args.router.policy)
+    logger.info("roseray app: %d engine replica(s) of %s, %s GPU and %d API process(es) each; %d Router(s) per "
+                "proxy node, policy %s", num_replicas, engine_config.model, num_gpus, api_processes,
+                app_args.router.replicas(), app_args.router.policy)
     return wiring.attach_ingress_router(engine, router)

@@ -30,17 +30,21 @@ What it sets:
                                                     HAProxy's files in <dir> (mode 700; default
                                                     /tmp/roseray-haproxy-<uid>; keep it short: unix
                                                     socket paths are limited to ~100 bytes)
-  RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE=<n>  only with --router-replicas-per-node n > 1: Router
-                                                    replicas on each proxy node (Ray 2.60 sizes the Router
-                                                    deployment by this, read by the controller at `ray start`,
-                                                    and ignores its num_replicas; HAProxy's Lua takes turns
-                                                    between them). router.num_replicas must say the same
+  RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE=<n>  when n > 1: Router replicas on each proxy node (Ray 2.60
+                                                    sizes the Router deployment by this, read by the controller
+                                                    at `ray start`, and ignores its num_replicas; HAProxy's Lua
+                                                    takes turns between them). --router-replicas-per-node auto
+                                                    (the default): 4 on a node with NVIDIA GPUs, where one Router
+                                                    admitted a burst of 128 streams in 35-56 ms and four in
+                                                    ~11 ms (BENCHMARKS.md), else 1. router.num_replicas: auto
+                                                    follows it; a number there must say the same
 The client-facing bind is `http_options.host` of serve_config.yaml (127.0.0.1 there).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import shlex
 import shutil
@@ -64,6 +68,29 @@ ROUTER_BODY_BYTES = 64 * 1024
 # Ray 2.60 runs this many Router (ingress request router) replicas on each node with a proxy,
 # whatever the Router deployment's num_replicas says (DeploymentState._reconcile_ingress_request_router).
 ROUTER_REPLICAS_ENV = "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"
+
+# Router replicas per node where the node has NVIDIA GPUs (--router-replicas-per-node auto).
+GPU_ROUTER_REPLICAS = 4
+
+
+def local_gpu_count() -> int:
+    """NVIDIA GPUs this node's processes may use, found without loading CUDA (this runs
+    before Ray): CUDA_VISIBLE_DEVICES when it is set ("" or "-1": none), else the
+    /dev/nvidiaN device files."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = 0
+        for device in visible.split(","):
+            if not device.strip() or device.strip().startswith("-"):
+                break  # CUDA stops at the first invalid entry
+            count += 1
+        return count
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def auto_router_replicas() -> int:
+    return GPU_ROUTER_REPLICAS if local_gpu_count() else 1
+
 
 _WRAPPER = r'''#!{python}
 # Written by roseray.serve.haproxy_env: exec Ray's HAProxy after moving the stats and
@@ -118,8 +145,12 @@ def write_wrapper(state_dir: str, real_binary: str | None = None) -> str:
 
 
 def haproxy_env(state_dir: str | None = None, forward_body: bool = True,
-                router_body_bytes: int = ROUTER_BODY_BYTES, router_replicas_per_node: int = 1) -> dict[str, str]:
-    """Write the wrapper into `state_dir` and return the variables to export."""
+                router_body_bytes: int = ROUTER_BODY_BYTES,
+                router_replicas_per_node: int | None = None) -> dict[str, str]:
+    """Write the wrapper into `state_dir` and return the variables to export
+    (`router_replicas_per_node` None: `auto_router_replicas()`)."""
+    if router_replicas_per_node is None:
+        router_replicas_per_node = auto_router_replicas()
     state_dir = state_dir or f"/tmp/roseray-haproxy-{os.getuid()}"
     env = {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -133,7 +164,7 @@ def haproxy_env(state_dir: str | None = None, forward_body: bool = True,
     if forward_body:
         env["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] = "1"
         env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"] = str(router_body_bytes)
-    if router_replicas_per_node != 1:  # Ray's default is 1: the default output stays the image's env
+    if router_replicas_per_node != 1:  # Ray's default is 1
         env[ROUTER_REPLICAS_ENV] = str(router_replicas_per_node)
     return env
 
@@ -147,16 +178,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-body-bytes", type=int, default=ROUTER_BODY_BYTES,
                         help="HAProxy's buffer size: how much of a body the router sees; bigger costs HAProxy "
                              "time per request (default: %(default)s)")
-    parser.add_argument("--router-replicas-per-node", type=int, default=1,
-                        help="Router replicas on each proxy node; set router.num_replicas to the same "
-                             "(default: %(default)s)")
+    parser.add_argument("--router-replicas-per-node", default="auto",
+                        help=f"Router replicas on each proxy node, or auto: {GPU_ROUTER_REPLICAS} on a node with "
+                             "NVIDIA GPUs (CUDA_VISIBLE_DEVICES, else /dev/nvidiaN), 1 without; "
+                             "router.num_replicas: auto follows it (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.router_replicas_per_node < 1:
-        parser.error("--router-replicas-per-node must be at least 1")
+    if args.router_replicas_per_node == "auto":
+        args.router_replicas_per_node = auto_router_replicas()
+    elif not args.router_replicas_per_node.isdigit() or int(args.router_replicas_per_node) < 1:
+        parser.error("--router-replicas-per-node must be auto or a whole number of at least 1")
     if args.router_body_bytes < 16384:
         parser.error("--router-body-bytes must be at least 16384 (HAProxy's buffer holds the request headers too)")
     for name, value in haproxy_env(args.dir, args.forward_body, args.router_body_bytes,
-                                   args.router_replicas_per_node).items():
+                                   int(args.router_replicas_per_node)).items():
         print(f"export {name}={shlex.quote(value)}")
     return 0
 
