@@ -3,7 +3,7 @@ tokens, ignore_eos) through the in-process AsyncLLMEngine and through HTTP (the 
 FastAPI app served by `roseray serve`, one engine, `--api-processes` API processes in
 front of it, `--client-processes` client processes), in one run.
 
-    python scripts/http_vs_inprocess.py [--model random:gpt2] [--api-processes 2] [--out result.json]
+    python scripts/http_vs_inprocess.py [--model random:gpt2] [--api-processes 2] [--passes 4] [--out result.json]
     bash scripts/ray_vs_inprocess.sh        # the same through the Ray Serve app (--server-port, --against-http)
 
 Needs aiohttp and the serving dependencies (FastAPI, uvicorn: the GPU host's bundle).
@@ -95,7 +95,40 @@ def _clients(port: int, model: str, n: int, max_tokens: int, processes: int) -> 
             "served_by": dict(collections.Counter(r[3] for r in results).most_common())}
 
 
-def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api_processes: int = 1) -> dict:
+def engine_process_pid() -> int | None:
+    """The pid of the one `roseray.engine.engine_process` on this machine (the server's), or None."""
+    found = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if b"roseray.engine.engine_process" in f.read():
+                    found.append(int(name))
+        except (OSError, ValueError):
+            continue
+    return found[0] if len(found) == 1 else None
+
+
+def measure_passes(port: int, model: str, n: int, max_tokens: int, processes: int, passes: int,
+                   engine_pid: int | None) -> dict:
+    """`passes` bursts on the server at `port`, each printed; the median of all but the first
+    (which warms the server for the burst's arrival pattern), with every pass kept."""
+    runs = []
+    for index in range(passes):
+        with engine_cpu_use(engine_pid) as cpu:
+            http = _clients(port, model, n, max_tokens, processes)
+        http.update(cpu, ended_unix=time.time())  # the burst is the last wall_s before this
+        runs.append(http)
+        print(f"pass {index + 1}/{passes}: HTTP {http['throughput_tok_s']:,.0f} tok/s, TTFT p50 "
+              f"{http['ttft_ms']['p50']:.1f} ms (p95 {http['ttft_ms']['p95']:.1f}), chunk gap p50 "
+              f"{http['chunk_gap_ms']['p50']:.2f} ms, {http['events_per_chunk']:.2f} events per chunk; "
+              f"streams per process {sorted(http['served_by'].values(), reverse=True)}{_cpu_text(http)}")
+    # a W-seed burst lasts ~0.1 s: one pass is noisy, the median of the warm ones is compared
+    warm = runs[1:] if len(runs) > 1 else runs
+    return {**median_pass(warm), "warm_passes": len(warm), "all_passes": runs}
+
+
+def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api_processes: int = 1,
+             passes: int = 1) -> dict:
     server = subprocess.Popen([sys.executable, "-m", "roseray.cli", "serve", "--model", model, "--port", str(port),
                                "--max-num-seqs", str(n), "--no-enable-prefix-caching",
                                "--api-processes", str(api_processes)],
@@ -112,7 +145,8 @@ def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api
                 time.sleep(1)
         else:
             raise RuntimeError("the server did not become ready")
-        return {**_clients(port, model, n, max_tokens, processes), "api_processes": api_processes}
+        return {**measure_passes(port, model, n, max_tokens, processes, passes, engine_process_pid()),
+                "api_processes": api_processes}
     finally:
         server.terminate()
         server.wait(60)
@@ -130,7 +164,8 @@ def compare(http: dict, inproc: dict, label: str) -> dict:
     ratio = http["throughput_tok_s"] / inproc["throughput_tok_s"]
     itl_over_step = http["itl_ms"]["p50"] / inproc["tpot_ms"]["p50"]
     chunk_gap_over_step = http["chunk_gap_ms"]["p50"] / inproc["tpot_ms"]["p50"]
-    spread = lambda r: (f" [median of {', '.join(f'{t / 1e3:.0f}k' for t in r['passes_tok_s'])}]"  # noqa: E731
+    short = lambda t: f"{t / 1e3:.0f}k" if t >= 1e4 else f"{t:.0f}"  # noqa: E731
+    spread = lambda r: (f" [median of {', '.join(short(t) for t in r['passes_tok_s'])}]"  # noqa: E731
                         if len(r.get("passes_tok_s", ())) > 1 else "")
     print(f"in-process {inproc['throughput_tok_s']:,.0f} tok/s{spread(inproc)} (TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms); "
           f"HTTP {http['throughput_tok_s']:,.0f} tok/s{spread(http)} = {ratio:.0%}; "
@@ -157,32 +192,20 @@ def main() -> None:
                         help="measure the server already listening here (e.g. the Ray Serve app) and write the "
                              "HTTP half only; compare later with --against-http")
     parser.add_argument("--passes", type=int, default=1,
-                        help="with --server-port: measure this many bursts one after another and compare the median "
-                             "of all but the first (which warms the server for the burst's arrival pattern); with "
-                             "--against-http: the in-process bursts (after its warm-up), the median compared")
+                        help="HTTP bursts one after another on one server: the median of all but the first (which "
+                             "warms the server for the burst's arrival pattern) is compared with the median of one "
+                             "fewer in-process bursts on one engine; with --against-http: the in-process bursts")
     parser.add_argument("--engine-pid", type=int, default=None,
                         help="with --server-port: the server's engine process, whose CPU time and run-queue wait "
-                             "each pass records (from /proc/PID/schedstat)")
+                             "each pass records (from /proc/PID/schedstat; default: the one running here, if one)")
     parser.add_argument("--against-http", default=None,
                         help="a --server-port run's JSON: run the in-process half now and compare with it")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.server_port is not None:
-        passes = []
-        for index in range(args.passes):
-            with engine_cpu_use(args.engine_pid) as cpu:
-                http = _clients(args.server_port, args.model, args.num_requests, args.max_tokens,
-                                args.client_processes)
-            http.update(cpu, ended_unix=time.time())  # the burst is the last wall_s before this
-            passes.append(http)
-            print(f"pass {index + 1}/{args.passes}: HTTP {http['throughput_tok_s']:,.0f} tok/s, TTFT p50 "
-                  f"{http['ttft_ms']['p50']:.1f} ms (p95 {http['ttft_ms']['p95']:.1f}), chunk gap p50 "
-                  f"{http['chunk_gap_ms']['p50']:.2f} ms, {http['events_per_chunk']:.2f} events per chunk; "
-                  f"streams per process {sorted(http['served_by'].values(), reverse=True)}{_cpu_text(http)}")
-        # a W-seed burst lasts ~0.1 s: one pass is noisy, the median of the warm ones is compared
-        warm = passes[1:] if len(passes) > 1 else passes
-        result = {"http": {**median_pass(warm), "server_port": args.server_port, "warm_passes": len(warm),
-                           "all_passes": passes}}
+        http = measure_passes(args.server_port, args.model, args.num_requests, args.max_tokens,
+                              args.client_processes, args.passes, args.engine_pid or engine_process_pid())
+        result = {"http": {**http, "server_port": args.server_port}}
     elif args.against_http is not None:
         with open(args.against_http) as f:
             http = json.load(f)["http"]
@@ -192,9 +215,9 @@ def main() -> None:
         # HTTP first: the server process must find the GPU free (each engine sizes its KV
         # cache from the memory left), and the in-process engine runs after it has exited.
         http = run_http(args.model, args.num_requests, args.max_tokens, args.port, args.client_processes,
-                        args.api_processes)
-        result = compare(http, run_seed(args.model, args.num_requests, {}),
-                         f"{args.api_processes} API process(es)")
+                        args.api_processes, args.passes)
+        inproc = run_seed(args.model, args.num_requests, {}, passes=max(1, args.passes - 1))
+        result = compare(http, inproc, f"{args.api_processes} API process(es)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -29,9 +29,8 @@ trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left 
 
 sizes=(--model "$MODEL" --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS")
 start_server ray 1 kv_queue || exit 1
-engine_pid=$(pgrep -f "roseray.engine.engine_process" | head -1)  # its CPU use per pass is recorded
+# (each pass also records the replica's engine process's CPU use: the one engine process here)
 python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --passes "$PASSES" --out "$OUT/ray_http.json" \
-    ${engine_pid:+--engine-pid "$engine_pid"} \
     || { echo "the HTTP half failed"; exit 1; }
 stop_server
 python scripts/http_vs_inprocess.py "${sizes[@]}" --against-http "$OUT/ray_http.json" --passes $((PASSES > 1 ? PASSES - 1 : 1)) \
