@@ -45,7 +45,7 @@ async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, l
     return sent, times, tokens, response.headers.get("x-roseray-replica", "")
 
 
-async def _client_streams(port: int, model: str, n: int, max_tokens: int, barrier) -> list:
+async def _client_streams(port: int, model: str, n: int, max_tokens: int, passes: int, barrier, results) -> None:
     import aiohttp  # the client side only
 
     url = f"http://127.0.0.1:{port}/v1/completions"
@@ -54,30 +54,16 @@ async def _client_streams(port: int, model: str, n: int, max_tokens: int, barrie
         # this process's connection pool (one keep-alive connection per stream, as long-lived
         # clients hold) and the server's code paths warm
         await asyncio.gather(*[_one(session, url, model, 4) for _ in range(n)])
-        barrier.wait()  # every client process is ready: all streams start together
-        return await asyncio.gather(*[_one(session, url, model, max_tokens) for _ in range(n)])
+        for _ in range(passes):
+            barrier.wait()  # every client process and the parent are ready: all streams start together
+            results.put(await asyncio.gather(*[_one(session, url, model, max_tokens) for _ in range(n)]))
 
 
-def _client_process(port, model, n, max_tokens, barrier, results) -> None:
-    results.put(asyncio.run(_client_streams(port, model, n, max_tokens, barrier)))
+def _client_process(port, model, n, max_tokens, passes, barrier, results) -> None:
+    asyncio.run(_client_streams(port, model, n, max_tokens, passes, barrier, results))
 
 
-def _clients(port: int, model: str, n: int, max_tokens: int, processes: int) -> dict:
-    """`n` streams from `processes` client processes that start together (one Python
-    client process caps out near 50k events/s and would time itself, not the server)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    barrier, queue = ctx.Barrier(processes), ctx.Queue()
-    shares = [n // processes + (i < n % processes) for i in range(processes)]
-    workers = [ctx.Process(target=_client_process, args=(port, model, k, max_tokens, barrier, queue))
-               for k in shares]
-    for worker in workers:
-        worker.start()
-    parts = [queue.get(timeout=600) for _ in workers]
-    for worker in workers:
-        worker.join()
-    results = [r for part in parts for r in part]
+def _summary(results: list, processes: int) -> dict:
     started = min(r[0] for r in results)
     last = max(r[1][-1] for r in results)
     total = sum(r[2] for r in results)
@@ -93,6 +79,32 @@ def _clients(port: int, model: str, n: int, max_tokens: int, processes: int) -> 
             "chunk_gap_ms": ms(itl[itl >= 50e-6]), "events_per_chunk": float(len(itl) / max(1, np.sum(itl >= 50e-6))),
             # streams per API process (x-roseray-replica): how the connections spread
             "served_by": dict(collections.Counter(r[3] for r in results).most_common())}
+
+
+def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, passes: int, engine_pid: int | None):
+    """Yields `passes` bursts of `n` streams, one after another, from `processes` client
+    processes that live through them all and start each burst together (one Python client
+    process caps out near 50k events/s and would time itself, not the server)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, queue = ctx.Barrier(processes + 1), ctx.Queue()
+    shares = [n // processes + (i < n % processes) for i in range(processes)]
+    workers = [ctx.Process(target=_client_process, args=(port, model, k, max_tokens, passes, barrier, queue))
+               for k in shares]
+    for worker in workers:
+        worker.start()
+    try:
+        for _ in range(passes):
+            with engine_cpu_use(engine_pid) as cpu:
+                barrier.wait(timeout=600)
+                parts = [queue.get(timeout=600) for _ in workers]
+            yield {**_summary([r for part in parts for r in part], processes), **cpu, "ended_unix": time.time()}
+    finally:
+        for worker in workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.terminate()
 
 
 def engine_process_pid() -> int | None:
@@ -113,10 +125,7 @@ def measure_passes(port: int, model: str, n: int, max_tokens: int, processes: in
     """`passes` bursts on the server at `port`, each printed; the median of all but the first
     (which warms the server for the burst's arrival pattern), with every pass kept."""
     runs = []
-    for index in range(passes):
-        with engine_cpu_use(engine_pid) as cpu:
-            http = _clients(port, model, n, max_tokens, processes)
-        http.update(cpu, ended_unix=time.time())  # the burst is the last wall_s before this
+    for index, http in enumerate(_bursts(port, model, n, max_tokens, processes, passes, engine_pid)):
         runs.append(http)
         print(f"pass {index + 1}/{passes}: HTTP {http['throughput_tok_s']:,.0f} tok/s, TTFT p50 "
               f"{http['ttft_ms']['p50']:.1f} ms (p95 {http['ttft_ms']['p95']:.1f}), chunk gap p50 "

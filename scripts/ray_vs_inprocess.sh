@@ -15,7 +15,7 @@ MODEL=${MODEL:-random:gpt2}; MAXLEN=${MAXLEN:-1024}; GPUS=${GPUS:-1}; ENGINE=${E
 NUM_REQUESTS=${NUM_REQUESTS:-128}; MAX_TOKENS=${MAX_TOKENS:-128}
 # PASSES: HTTP bursts one after another; the first warms the server, the median of the rest is compared
 # with the median of as many in-process bursts (a burst lasts ~0.1 s on an H100: one is noisy)
-PASSES=${PASSES:-4}
+PASSES=${PASSES:-8}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-$NUM_REQUESTS}; MAX_WAITING=${MAX_WAITING:-1024}
 PORT=${PORT:-8000}; START_TIMEOUT=${START_TIMEOUT:-180}; MAXID=${MAXID:-10000}; LONG_TOKENS=${LONG_TOKENS:-64}
 export PYTHONUNBUFFERED=1 PORT MODEL MAXLEN GPUS ENGINE MAX_NUM_SEQS MAX_WAITING  # read by write_config
