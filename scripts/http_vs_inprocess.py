@@ -202,8 +202,8 @@ def main() -> None:
                              "HTTP half only; compare later with --against-http")
     parser.add_argument("--passes", type=int, default=1,
                         help="HTTP bursts one after another on one server: the median of all but the first (which "
-                             "warms the server for the burst's arrival pattern) is compared with the median of one "
-                             "fewer in-process bursts on one engine; with --against-http: the in-process bursts")
+                             "warms the server for the burst's arrival pattern) is compared with the median of as "
+                             "many in-process bursts on one engine (with --against-http: as the JSON's HTTP run had)")
     parser.add_argument("--engine-pid", type=int, default=None,
                         help="with --server-port: the server's engine process, whose CPU time and run-queue wait "
                              "each pass records (from /proc/PID/schedstat; default: the one running here, if one)")
@@ -218,14 +218,14 @@ def main() -> None:
     elif args.against_http is not None:
         with open(args.against_http) as f:
             http = json.load(f)["http"]
-        inproc = run_seed(args.model, args.num_requests, {}, passes=args.passes)
+        inproc = run_seed(args.model, args.num_requests, {}, passes=http["warm_passes"])
         result = compare(http, inproc, f"server on port {http['server_port']}")
     else:
         # HTTP first: the server process must find the GPU free (each engine sizes its KV
         # cache from the memory left), and the in-process engine runs after it has exited.
         http = run_http(args.model, args.num_requests, args.max_tokens, args.port, args.client_processes,
                         args.api_processes, args.passes)
-        inproc = run_seed(args.model, args.num_requests, {}, passes=max(1, args.passes - 1))
+        inproc = run_seed(args.model, args.num_requests, {}, passes=http["warm_passes"])
         result = compare(http, inproc, f"{args.api_processes} API process(es)")
     if args.out:
         with open(args.out, "w") as f:

@@ -33,5 +33,5 @@ start_server ray 1 kv_queue || exit 1
 python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --passes "$PASSES" --out "$OUT/ray_http.json" \
     || { echo "the HTTP half failed"; exit 1; }
 stop_server
-python scripts/http_vs_inprocess.py "${sizes[@]}" --against-http "$OUT/ray_http.json" --passes $((PASSES > 1 ? PASSES - 1 : 1)) \
+python scripts/http_vs_inprocess.py "${sizes[@]}" --against-http "$OUT/ray_http.json" \
     --out "$OUT/ray_vs_inprocess.json" 2>&1 | grep -v " INFO "

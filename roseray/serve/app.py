@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
 from roseray.serve import wiring
-from roseray.serve.haproxy_env import ROUTER_REPLICAS_ENV
+from roseray.serve.haproxy_env import ROUTER_REPLICAS_ENV, router_replicas_in_env
 from roseray.serve.replica_api_processes import ReplicaAPIProcesses, start_shared_engine
 from roseray.serve.router_endpoint import RouterEndpoint
 from roseray.serve.router_server import LeanRouterServer
@@ -201,7 +201,7 @@ class RouterArgs(BaseModel):
     @field_validator("num_replicas")
     @classmethod
     def _ray_runs_that_many(cls, value: int | str) -> int | str:
-        per_node = int(os.environ.get(ROUTER_REPLICAS_ENV) or 1)
+        per_node = router_replicas_in_env()
         if value != "auto" and value != per_node:
             raise ValueError(f"router.num_replicas={value}, but Ray runs {ROUTER_REPLICAS_ENV}={per_node} Router "
                              f"replica(s) per proxy node and ignores the deployment's count: start Ray after "
@@ -210,7 +210,7 @@ class RouterArgs(BaseModel):
 
     def replicas(self) -> int:
         """The Router replicas Ray runs on each proxy node."""
-        return int(os.environ.get(ROUTER_REPLICAS_ENV) or 1) if self.num_replicas == "auto" else self.num_replicas
+        return router_replicas_in_env() if self.num_replicas == "auto" else self.num_replicas
 
 
 class AppArgs(BaseModel):

@@ -92,6 +92,20 @@ def auto_router_replicas() -> int:
     return GPU_ROUTER_REPLICAS if local_gpu_count() else 1
 
 
+def router_replicas_in_env() -> int:
+    """The Router replicas per proxy node that Ray runs, from this process's environment."""
+    return int(os.environ.get(ROUTER_REPLICAS_ENV) or 1)
+
+
+def _router_count(text: str) -> int:
+    """--router-replicas-per-node: "auto" or a whole number of at least 1."""
+    if text == "auto":
+        return auto_router_replicas()
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError("auto or a whole number of at least 1")
+    return int(text)
+
+
 _WRAPPER = r'''#!{python}
 # Written by roseray.serve.haproxy_env: exec Ray's HAProxy after moving the stats and
 # Prometheus listeners of its config to loopback, closing the admin socket's mode and
@@ -178,19 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-body-bytes", type=int, default=ROUTER_BODY_BYTES,
                         help="HAProxy's buffer size: how much of a body the router sees; bigger costs HAProxy "
                              "time per request (default: %(default)s)")
-    parser.add_argument("--router-replicas-per-node", default="auto",
+    parser.add_argument("--router-replicas-per-node", type=_router_count, default="auto",
                         help=f"Router replicas on each proxy node, or auto: {GPU_ROUTER_REPLICAS} on a node with "
                              "NVIDIA GPUs (CUDA_VISIBLE_DEVICES, else /dev/nvidiaN), 1 without; "
                              "router.num_replicas: auto follows it (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.router_replicas_per_node == "auto":
-        args.router_replicas_per_node = auto_router_replicas()
-    elif not args.router_replicas_per_node.isdigit() or int(args.router_replicas_per_node) < 1:
-        parser.error("--router-replicas-per-node must be auto or a whole number of at least 1")
     if args.router_body_bytes < 16384:
         parser.error("--router-body-bytes must be at least 16384 (HAProxy's buffer holds the request headers too)")
     for name, value in haproxy_env(args.dir, args.forward_body, args.router_body_bytes,
-                                   int(args.router_replicas_per_node)).items():
+                                   args.router_replicas_per_node).items():
         print(f"export {name}={shlex.quote(value)}")
     return 0
 

@@ -106,14 +106,15 @@ def spawn_api_worker(module: str, index: int, socket_fd: int, commands_fd: int, 
     its settings (JSON, written to a pipe: no secrets on the command line) and, optionally,
     a pipe's write end (closed here) on which it says when it serves."""
     settings_r, settings_w = os.pipe()
-    fds = (socket_fd, commands_fd, outputs_fd, settings_r, lifeline_fd) + (() if ready_fd is None else (ready_fd,))
+    ready = () if ready_fd is None else (ready_fd,)
+    fds = (socket_fd, commands_fd, outputs_fd, settings_r, lifeline_fd) + ready
     process = subprocess.Popen(
         [sys.executable, "-m", module, "--index", str(index), "--socket-fd", str(socket_fd),
          "--commands-fd", str(commands_fd), "--outputs-fd", str(outputs_fd), "--settings-fd", str(settings_r),
          "--lifeline-fd", str(lifeline_fd), "--metrics-dir", metrics_dir,
-         *(() if ready_fd is None else ("--ready-fd", str(ready_fd)))],
+         *(("--ready-fd", str(ready_fd)) if ready else ())],
         pass_fds=fds, stdin=subprocess.DEVNULL, start_new_session=True)
-    for fd in (commands_fd, outputs_fd, settings_r) + (() if ready_fd is None else (ready_fd,)):  # the worker's now
+    for fd in (commands_fd, outputs_fd, settings_r) + ready:  # the worker's now
         os.close(fd)
     with os.fdopen(settings_w, "wb") as f:  # read by the worker at start (a pipe buffer holds it meanwhile)
         f.write(settings)
