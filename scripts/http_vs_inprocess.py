@@ -4,7 +4,14 @@ FastAPI app served by `roseray serve`, one engine, `--api-processes` API process
 front of it, `--client-processes` client processes), in one run.
 
     python scripts/http_vs_inprocess.py [--model random:gpt2] [--api-processes 2] [--passes 4] [--out result.json]
-    bash scripts/ray_vs_inprocess.sh        # the same through the Ray Serve app (--server-port, --against-http)
+    bash scripts/ray_vs_inprocess.sh        # the same through the Ray Serve app (--server-port --interleave)
+
+With --server-port and --interleave the two halves take turns, burst for burst, in one run:
+an HTTP burst, then an in-process burst on an engine of this process that stays up beside
+the server's (the server's engine is idle meanwhile). Each pair then meets the same state of
+the machine, whose speed drifts over seconds to minutes (BENCHMARKS.md, "where the spread
+comes from"); both engines need a fixed KV size (--engine-args '{"num_kv_blocks": N}'), as
+the second one cannot size itself from the GPU memory left.
 
 Needs aiohttp and the serving dependencies (FastAPI, uvicorn: the GPU host's bundle).
 """
@@ -24,7 +31,7 @@ import urllib.request
 import numpy as np
 
 from roseray.bench.common import engine_cpu_use, percentiles
-from roseray.bench.stream import median_pass, run_seed
+from roseray.bench.stream import SeedEngine, median_pass, run_seed
 
 
 async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, list[float], int, str]:
@@ -136,6 +143,34 @@ def measure_passes(port: int, model: str, n: int, max_tokens: int, processes: in
     return {**median_pass(warm), "warm_passes": len(warm), "all_passes": runs}
 
 
+def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processes: int, passes: int,
+                        engine_pid: int | None, engine_args: dict) -> dict:
+    """`passes` pairs of bursts: one through the server at `port`, then one on an in-process
+    engine with `engine_args`, each pair printed; the first pair warms both. Returns the
+    comparison of the warm medians, with every pair's ratio and their median."""
+    with SeedEngine(model, n, engine_args) as seed:  # up first: its start-up takes the GPU for a while
+        pairs = []
+        for index, http in enumerate(_bursts(port, model, n, max_tokens, processes, passes, engine_pid)):
+            inproc = seed.burst()
+            pairs.append((http, inproc))
+            print(f"pair {index + 1}/{passes}: HTTP {http['throughput_tok_s']:,.0f} tok/s (TTFT p50 "
+                  f"{http['ttft_ms']['p50']:.1f} ms, chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms), "
+                  f"in-process {inproc['throughput_tok_s']:,.0f} tok/s (TTFT p50 {inproc['ttft_ms']['p50']:.1f} ms, "
+                  f"TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms) = "
+                  f"{http['throughput_tok_s'] / inproc['throughput_tok_s']:.0%}{_cpu_text(http)}")
+        described = seed.describe()
+    warm = pairs[1:] if len(pairs) > 1 else pairs
+    http = {**median_pass([h for h, _ in warm]), "warm_passes": len(warm), "all_passes": [h for h, _ in pairs],
+            "server_port": port}
+    inproc = {**described, **median_pass([i for _, i in warm]), "all_passes": [i for _, i in pairs]}
+    result = compare(http, inproc, f"server on port {port}, interleaved")
+    ratios = [h["throughput_tok_s"] / i["throughput_tok_s"] for h, i in warm]
+    result["pair_ratios"] = ratios
+    result["median_pair_ratio"] = float(np.median(ratios))
+    print(f"pairs: HTTP / in-process {', '.join(f'{r:.0%}' for r in ratios)}; median {np.median(ratios):.0%}")
+    return result
+
+
 def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api_processes: int = 1,
              passes: int = 1) -> dict:
     server = subprocess.Popen([sys.executable, "-m", "roseray.cli", "serve", "--model", model, "--port", str(port),
@@ -207,25 +242,36 @@ def main() -> None:
     parser.add_argument("--engine-pid", type=int, default=None,
                         help="with --server-port: the server's engine process, whose CPU time and run-queue wait "
                              "each pass records (from /proc/PID/schedstat; default: the one running here, if one)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="with --server-port: an in-process burst after each HTTP burst, on an engine of "
+                             "this process beside the server's (give both a fixed num_kv_blocks), and compare")
+    parser.add_argument("--engine-args", type=json.loads, default={},
+                        help="EngineConfig fields as JSON for the in-process engine (as the server's)")
     parser.add_argument("--against-http", default=None,
                         help="a --server-port run's JSON: run the in-process half now and compare with it")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.server_port is not None:
+    if args.interleave and args.server_port is None:
+        parser.error("--interleave measures a server already listening: give --server-port")
+    if args.interleave:
+        result = measure_interleaved(args.server_port, args.model, args.num_requests, args.max_tokens,
+                                     args.client_processes, args.passes, args.engine_pid or engine_process_pid(),
+                                     args.engine_args)
+    elif args.server_port is not None:
         http = measure_passes(args.server_port, args.model, args.num_requests, args.max_tokens,
                               args.client_processes, args.passes, args.engine_pid or engine_process_pid())
         result = {"http": {**http, "server_port": args.server_port}}
     elif args.against_http is not None:
         with open(args.against_http) as f:
             http = json.load(f)["http"]
-        inproc = run_seed(args.model, args.num_requests, {}, passes=http["warm_passes"])
+        inproc = run_seed(args.model, args.num_requests, args.engine_args, passes=http["warm_passes"])
         result = compare(http, inproc, f"server on port {http['server_port']}")
     else:
         # HTTP first: the server process must find the GPU free (each engine sizes its KV
         # cache from the memory left), and the in-process engine runs after it has exited.
         http = run_http(args.model, args.num_requests, args.max_tokens, args.port, args.client_processes,
                         args.api_processes, args.passes)
-        inproc = run_seed(args.model, args.num_requests, {}, passes=http["warm_passes"])
+        inproc = run_seed(args.model, args.num_requests, args.engine_args, passes=http["warm_passes"])
         result = compare(http, inproc, f"{args.api_processes} API process(es)")
     if args.out:
         with open(args.out, "w") as f:

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Issue 4's measurement through the Ray Serve app: one engine replica of serve_config.yaml
 # (HAProxy -> the Router picks the replica -> the replica's own HTTP server streams), 128
-# W-seed-like streams from scripts/http_vs_inprocess.py, then, with Ray stopped and the GPU
-# free, the same requests on the in-process engine; one comparison line and JSON in $OUT.
+# W-seed-like streams from scripts/http_vs_inprocess.py, each burst followed by one of the same
+# requests on an in-process engine beside the replica's (INTERLEAVE=1, the default: both engines
+# get a fixed num_kv_blocks; each pair meets the same state of the machine); INTERLEAVE=0: all the
+# HTTP bursts, then, with Ray stopped and the GPU free, the in-process ones. One comparison line
+# and JSON in $OUT.
 #
 #   source .gpubundle/activate.sh                        # on the GPU host
 #   OUT=$OUT bash scripts/ray_vs_inprocess.sh
@@ -11,7 +14,11 @@ set -uo pipefail
 set -m  # background jobs keep SIGINT: `serve run` stops cleanly
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_results/ray_vs_inprocess}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
-MODEL=${MODEL:-random:gpt2}; MAXLEN=${MAXLEN:-1024}; GPUS=${GPUS:-1}; ENGINE=${ENGINE:-'{}'}
+INTERLEAVE=${INTERLEAVE:-1}
+# ENGINE: EngineConfig fields as JSON, for the replica and the in-process engine alike. Interleaved, two
+# engines share the GPU: 16,384 blocks of 16 tokens each (~9.4 GB for GPT-2), far more than 128 x 129 tokens
+if [ "$INTERLEAVE" = 1 ]; then ENGINE=${ENGINE:-'{"num_kv_blocks": 16384}'}; else ENGINE=${ENGINE:-'{}'}; fi
+MODEL=${MODEL:-random:gpt2}; MAXLEN=${MAXLEN:-1024}; GPUS=${GPUS:-1}
 NUM_REQUESTS=${NUM_REQUESTS:-128}; MAX_TOKENS=${MAX_TOKENS:-128}
 # PASSES: HTTP bursts one after another; the first warms the server, the median of the rest is compared
 # with the median of as many in-process bursts (a burst lasts ~0.1 s on an H100: one is noisy)
@@ -30,8 +37,13 @@ trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left 
 sizes=(--model "$MODEL" --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS")
 start_server ray 1 kv_queue || exit 1
 # (each pass also records the replica's engine process's CPU use: the one engine process here)
+if [ "$INTERLEAVE" = 1 ]; then
+  python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --passes "$PASSES" --interleave \
+      --engine-args "$ENGINE" --out "$OUT/ray_vs_inprocess.json" 2>&1 | grep -v " INFO "
+  exit "${PIPESTATUS[0]}"
+fi
 python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --passes "$PASSES" --out "$OUT/ray_http.json" \
     || { echo "the HTTP half failed"; exit 1; }
 stop_server
-python scripts/http_vs_inprocess.py "${sizes[@]}" --against-http "$OUT/ray_http.json" \
+python scripts/http_vs_inprocess.py "${sizes[@]}" --against-http "$OUT/ray_http.json" --engine-args "$ENGINE" \
     --out "$OUT/ray_vs_inprocess.json" 2>&1 | grep -v " INFO "

@@ -67,3 +67,56 @@ def test_run_seed_measures_several_bursts_on_one_engine_process(monkeypatch):
     assert result["engine_process"] is True
     assert result["engine_process_cpu_s"] > 0.0  # the child's, read while it served this pass
     assert result["engine_process_runqueue_wait_s"] >= 0.0
+
+
+def _load_http_vs_inprocess():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "http_vs_inprocess.py"
+    spec = importlib.util.spec_from_file_location("http_vs_inprocess", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _http_burst(tok_s: float) -> dict:
+    ms = {"p50": 1.0, "p95": 1.0, "p99": 1.0}
+    return {"throughput_tok_s": tok_s, "ttft_ms": ms, "itl_ms": ms, "tpot_ms": ms, "chunk_gap_ms": ms,
+            "gaps_under_50us_fraction": 0.0, "events_per_chunk": 1.0}
+
+
+@linux_only
+def test_interleaved_comparison_runs_an_in_process_burst_after_each_http_burst(monkeypatch, capsys):
+    """Each HTTP burst is paired with the in-process burst that follows it on a real engine;
+    the first pair warms both and is left out of the medians and the ratios."""
+    module = _load_http_vs_inprocess()
+    monkeypatch.setattr(stream, "seed_workload", lambda n: ([[7] for _ in range(n)], [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4) for _ in range(n)]))
+    order = []
+    real_burst = stream.SeedEngine.burst
+
+    def burst(self, timeline=False):
+        order.append("in-process")
+        return real_burst(self, timeline)
+
+    monkeypatch.setattr(stream.SeedEngine, "burst", burst)
+    http_tok_s = [1.0, 2.0, 3.0, 4.0]
+
+    def fake_bursts(port, model, n, max_tokens, processes, passes, engine_pid):
+        for tok_s in http_tok_s[:passes]:
+            order.append("http")
+            yield _http_burst(tok_s)
+
+    monkeypatch.setattr(module, "_bursts", fake_bursts)
+    result = module.measure_interleaved(1, "random:tiny", 3, 4, 1, 4, None, {"device": "cpu"})
+    assert order == ["http", "in-process"] * 4
+    inproc = result["in_process"]["all_passes"]
+    assert len(inproc) == 4 and all(run["completion_tokens"] == 3 * 4 for run in inproc)
+    assert result["http"]["warm_passes"] == 3 and result["http"]["passes_tok_s"] == [2.0, 3.0, 4.0]
+    assert result["in_process"]["passes_tok_s"] == [run["throughput_tok_s"] for run in inproc[1:]]
+    expected = [h / i["throughput_tok_s"] for h, i in zip(http_tok_s[1:], inproc[1:])]
+    assert result["pair_ratios"] == pytest.approx(expected)
+    assert result["median_pair_ratio"] == pytest.approx(sorted(expected)[1])
+    out = capsys.readouterr().out
+    assert "pair 4/4: HTTP 4 tok/s" in out and "pairs: HTTP / in-process" in out

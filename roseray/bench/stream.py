@@ -104,32 +104,62 @@ def median_pass(passes: list[dict]) -> dict:
     return {**chosen, "passes_tok_s": [r["throughput_tok_s"] for r in passes]}
 
 
+class SeedEngine:
+    """One engine for W-seed bursts, warmed on start: `burst()` runs the workload once and
+    returns its figures (with the engine process's CPU use). Kept open, it lets a caller put
+    other measurements between its bursts (`scripts/http_vs_inprocess.py --interleave`)."""
+
+    def __init__(self, model: str, num_requests: int, engine_args: dict, loop: str = "auto") -> None:
+        self.model, self.num_requests, self.engine_args, self.loop = model, num_requests, engine_args, loop
+        self.prompts, self.params = seed_workload(num_requests)
+        self.config = EngineConfig(model=model, max_num_seqs=num_requests, enable_prefix_caching=False,
+                                   **engine_args)
+        self.engine = AsyncLLMEngine.from_engine_config(self.config)
+        self.engine.start()
+        try:
+            run_async(_run(self.engine, self.prompts[:8], self.params[:8]), loop)  # warm-up
+        except BaseException:
+            self.close()
+            raise
+        # the engine process, if any: its CPU use is recorded per burst
+        self.engine_pid = getattr(getattr(self.engine.engine, "_process", None), "pid", None)
+        self.bursts = 0
+
+    def burst(self, timeline: bool = False) -> dict:
+        self.engine._loop = None  # a new event loop for each measured run
+        with engine_cpu_use(self.engine_pid) as cpu:
+            run = run_async(_run(self.engine, self.prompts, self.params,
+                                 Timeline(self.engine.engine) if timeline else None, tag=f"seed{self.bursts}"),
+                            self.loop)
+        self.bursts += 1
+        return {**run, **cpu, "ended_unix": time.time()}
+
+    def describe(self) -> dict:
+        return {"workload": "W-seed", "model": self.model, "num_requests": self.num_requests,
+                "engine_args": self.engine_args, "engine_process": self.config.resolve_engine_process(),
+                "event_loop": resolve_loop(self.loop)}
+
+    def close(self) -> None:
+        self.engine.stop()
+        if self.engine._thread is not None:
+            self.engine._thread.join(10.0)
+
+    def __enter__(self) -> "SeedEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def run_seed(model: str, num_requests: int, engine_args: dict, timeline: bool = False, loop: str = "auto",
              passes: int = 1) -> dict:
     """W-seed on one engine: a warm-up, then `passes` bursts; the median pass is reported."""
-    prompts, params = seed_workload(num_requests)
-    config = EngineConfig(model=model, max_num_seqs=num_requests, enable_prefix_caching=False, **engine_args)
-    engine = AsyncLLMEngine.from_engine_config(config)
-    engine.start()
-    try:
-        run_async(_run(engine, prompts[:8], params[:8]), loop)  # warm-up
-        child = getattr(getattr(engine.engine, "_process", None), "pid", None)  # the engine process, if any
-        runs = []
-        for index in range(passes):
-            engine._loop = None  # a new event loop for each measured run
-            with engine_cpu_use(child) as cpu:
-                run = run_async(_run(engine, prompts, params, Timeline(engine.engine) if timeline and not runs
-                                     else None, tag=f"seed{index}"), loop)
-            runs.append({**run, **cpu, "ended_unix": time.time()})
+    with SeedEngine(model, num_requests, engine_args, loop) as seed:
+        runs = [seed.burst(timeline and index == 0) for index in range(passes)]
         result = median_pass(runs)
         if timeline:  # the first pass's, whichever is the median
             result["timeline"] = runs[0]["timeline"]
-    finally:
-        engine.stop()
-        if engine._thread is not None:
-            engine._thread.join(10.0)
-    return {"workload": "W-seed", "model": model, "num_requests": num_requests, "engine_args": engine_args,
-            "engine_process": config.resolve_engine_process(), "event_loop": resolve_loop(loop), **result}
+        return {**seed.describe(), **result}
 
 
 def main(argv: list[str] | None = None) -> int:
