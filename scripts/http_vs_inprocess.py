@@ -30,7 +30,7 @@ import urllib.request
 
 import numpy as np
 
-from roseray.bench.common import engine_cpu_use, percentiles
+from roseray.bench.common import engine_cpu_use, engine_time_from_metrics, engine_time_split, percentiles
 from roseray.bench.stream import SeedEngine, median_pass, run_seed
 
 
@@ -103,15 +103,26 @@ def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, pass
         worker.start()
     try:
         for _ in range(passes):
+            before = engine_time_over_http(port)
             with engine_cpu_use(engine_pid) as cpu:
                 barrier.wait(timeout=600)
                 parts = [queue.get(timeout=600) for _ in workers]
-            yield {**_summary([r for part in parts for r in part], processes), **cpu, "ended_unix": time.time()}
+            yield {**_summary([r for part in parts for r in part], processes), **cpu,
+                   **engine_time_split(before, engine_time_over_http(port)), "ended_unix": time.time()}
     finally:
         for worker in workers:
             worker.join(10)
             if worker.is_alive():
                 worker.terminate()
+
+
+def engine_time_over_http(port: int) -> tuple[float, float, float] | None:
+    """The server's engine time counters from its /metrics (None when it has none)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            return engine_time_from_metrics(response.read().decode())
+    except OSError:
+        return None
 
 
 def engine_process_pid() -> int | None:
@@ -137,7 +148,7 @@ def measure_passes(port: int, model: str, n: int, max_tokens: int, processes: in
         print(f"pass {index + 1}/{passes}: HTTP {http['throughput_tok_s']:,.0f} tok/s, TTFT p50 "
               f"{http['ttft_ms']['p50']:.1f} ms (p95 {http['ttft_ms']['p95']:.1f}), chunk gap p50 "
               f"{http['chunk_gap_ms']['p50']:.2f} ms, {http['events_per_chunk']:.2f} events per chunk; "
-              f"streams per process {sorted(http['served_by'].values(), reverse=True)}{_cpu_text(http)}")
+              f"streams per process {sorted(http['served_by'].values(), reverse=True)}{_engine_text(http)}")
     # a W-seed burst lasts ~0.1 s: one pass is noisy, the median of the warm ones is compared
     warm = runs[1:] if len(runs) > 1 else runs
     return {**median_pass(warm), "warm_passes": len(warm), "all_passes": runs}
@@ -157,7 +168,8 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
                   f"{http['ttft_ms']['p50']:.1f} ms, chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms), "
                   f"in-process {inproc['throughput_tok_s']:,.0f} tok/s (TTFT p50 {inproc['ttft_ms']['p50']:.1f} ms, "
                   f"TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms) = "
-                  f"{http['throughput_tok_s'] / inproc['throughput_tok_s']:.0%}{_cpu_text(http)}")
+                  f"{http['throughput_tok_s'] / inproc['throughput_tok_s']:.0%}; HTTP{_engine_text(http) or ': -'}; "
+                  f"in-process{_engine_text(inproc) or ': -'}")
         described = seed.describe()
     warm = pairs[1:] if len(pairs) > 1 else pairs
     http = {**median_pass([h for h, _ in warm]), "warm_passes": len(warm), "all_passes": [h for h, _ in pairs],
@@ -196,11 +208,15 @@ def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api
         server.wait(60)
 
 
-def _cpu_text(run: dict) -> str:
-    if "engine_process_cpu_s" not in run:
-        return ""
-    return (f"; engine process {run['engine_process_cpu_s'] * 1e3:.0f} ms on CPU, "
-            f"{run['engine_process_runqueue_wait_s'] * 1e3:.1f} ms waiting for one")
+def _engine_text(run: dict) -> str:
+    text = ""
+    if "engine_step_us" in run:
+        text += (f"; engine step {run['engine_step_us']:.0f} us + output {run['engine_output_us']:.0f} us "
+                 f"({run['engine_steps']} steps)")
+    if "engine_process_cpu_s" in run:
+        text += (f"; engine process {run['engine_process_cpu_s'] * 1e3:.0f} ms on CPU, "
+                 f"{run['engine_process_runqueue_wait_s'] * 1e3:.1f} ms waiting for one")
+    return text
 
 
 def compare(http: dict, inproc: dict, label: str) -> dict:
@@ -218,8 +234,8 @@ def compare(http: dict, inproc: dict, label: str) -> dict:
           f"ITL p99 {http['itl_ms']['p99']:.2f} ms; HTTP TPOT p50 {http['tpot_ms']['p50']:.2f} ms; "
           f"{http['gaps_under_50us_fraction']:.0%} of gaps < 50 us (events that arrived together); "
           f"chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms = {chunk_gap_over_step:.2f}x the step, "
-          f"{http['events_per_chunk']:.2f} events per chunk; {label}; in-process{_cpu_text(inproc) or ': -'}; "
-          f"HTTP{_cpu_text(http) or ': -'}")
+          f"{http['events_per_chunk']:.2f} events per chunk; {label}; in-process{_engine_text(inproc) or ': -'}; "
+          f"HTTP{_engine_text(http) or ': -'}")
     return {"in_process": inproc, "http": http, "http_over_in_process": ratio,
             "http_itl_p50_over_engine_step": itl_over_step, "http_chunk_gap_p50_over_engine_step": chunk_gap_over_step}
 

@@ -165,6 +165,10 @@ def test_metrics_count_every_request_whichever_process_answers(server):
             assert all(c <= server.num_requests for c in counts), counts  # never counted twice
             assert time.monotonic() < deadline, (counts, server.num_requests, answered)
             time.sleep(0.1)
+    # where the shared engine's time went: its steps, and sending their outputs to both processes
+    steps = metric(response.text, "roseray:engine_steps_total")
+    step_s, output_s = (metric(response.text, f"roseray:engine_{part}_seconds_total") for part in ("step", "output"))
+    assert steps >= 5 * 3 and 0.0 < step_s and 0.0 < output_s < step_s, (steps, step_s, output_s)
 
 
 def test_a_client_gone_mid_stream_frees_its_kv_blocks(server):

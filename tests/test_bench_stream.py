@@ -120,3 +120,19 @@ def test_interleaved_comparison_runs_an_in_process_burst_after_each_http_burst(m
     assert result["median_pair_ratio"] == pytest.approx(sorted(expected)[1])
     out = capsys.readouterr().out
     assert "pair 4/4: HTTP 4 tok/s" in out and "pairs: HTTP / in-process" in out
+    assert inproc[1]["engine_steps"] >= 4 and inproc[1]["engine_step_us"] > 0  # the engine's own time, per burst
+
+
+def test_engine_time_is_read_from_metrics_and_split_per_step():
+    from roseray.bench.common import engine_time_from_metrics, engine_time_split
+
+    page = ('# TYPE roseray:engine_steps_total counter\nroseray:engine_steps_total{model_name="m"} 110.0\n'
+            'roseray:engine_step_seconds_total{model_name="m"} 0.5\n'
+            'roseray:engine_output_seconds_total{model_name="m"} 0.05\n')
+    after = engine_time_from_metrics(page)
+    assert after == (110.0, 0.5, 0.05)
+    assert engine_time_from_metrics("roseray:engine_steps_total{} 1\n") is None  # not all three
+    split = engine_time_split((10.0, 0.1, 0.01), after)
+    assert split["engine_steps"] == 100
+    assert split["engine_step_us"] == pytest.approx(4000.0) and split["engine_output_us"] == pytest.approx(400.0)
+    assert engine_time_split(None, after) == {} and engine_time_split(after, after) == {}

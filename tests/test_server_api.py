@@ -228,9 +228,12 @@ def test_metrics_expose_vllm_style_names_after_traffic(client):
                  "roseray:prompt_tokens_total", "roseray:generation_tokens_total",
                  "roseray:num_preemptions_total", 'roseray:request_success_total{finished_reason="length"'):
         assert name in text, name
-    for name in ("roseray:e2e_request_latency_seconds_count", "roseray:request_queue_time_seconds_count"):
+    for name in ("roseray:e2e_request_latency_seconds_count", "roseray:request_queue_time_seconds_count",
+                 "roseray:engine_steps_total", "roseray:engine_step_seconds_total"):
         count = next(line for line in text.split("\n") if line.startswith(name))
-        assert float(count.split()[-1]) >= 1, name
+        assert float(count.split()[-1]) > 0, name
+    # an engine in a thread of this process hands its outputs on in-process: no output time
+    assert "roseray:engine_output_seconds_total{" in text
 
 
 @pytest.fixture(scope="module")

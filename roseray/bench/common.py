@@ -45,6 +45,31 @@ def engine_cpu_use(pid: int | None):
         found.update(engine_process_cpu_s=after[0] - before[0], engine_process_runqueue_wait_s=after[1] - before[1])
 
 
+ENGINE_TIME_METRICS = ("roseray:engine_steps_total", "roseray:engine_step_seconds_total",
+                       "roseray:engine_output_seconds_total")
+
+
+def engine_time_from_metrics(text: str) -> tuple[float, float, float] | None:
+    """(steps, seconds in steps, seconds sending outputs) from a /metrics page, or None."""
+    values = []
+    for name in ENGINE_TIME_METRICS:
+        found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+        if not found:
+            return None
+        values.append(found[0])
+    return tuple(values)
+
+
+def engine_time_split(before, after) -> dict:
+    """Where the engine's time went between two (steps, step seconds, output seconds)
+    readings: per step, in its steps and in sending their outputs on (empty without both)."""
+    if before is None or after is None or after[0] <= before[0]:
+        return {}
+    steps = after[0] - before[0]
+    return {"engine_steps": int(steps), "engine_step_us": (after[1] - before[1]) / steps * 1e6,
+            "engine_output_us": (after[2] - before[2]) / steps * 1e6}
+
+
 def resolve_loop(loop: str) -> str:
     """"auto" -> "uvloop" when it is installed (as uvicorn's loop="auto" picks), else "asyncio"."""
     if loop == "auto":

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from roseray.bench.common import engine_cpu_use, percentiles, print_table, resolve_loop, run_async, write_result
+from roseray.bench.common import engine_cpu_use, engine_time_split, percentiles, print_table, resolve_loop, run_async, write_result
 from roseray.bench.workloads import SEED_MODEL, seed_workload
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
@@ -127,12 +127,17 @@ class SeedEngine:
 
     def burst(self, timeline: bool = False) -> dict:
         self.engine._loop = None  # a new event loop for each measured run
+        before = self._engine_time()
         with engine_cpu_use(self.engine_pid) as cpu:
             run = run_async(_run(self.engine, self.prompts, self.params,
                                  Timeline(self.engine.engine) if timeline else None, tag=f"seed{self.bursts}"),
                             self.loop)
         self.bursts += 1
-        return {**run, **cpu, "ended_unix": time.time()}
+        return {**run, **cpu, **engine_time_split(before, self._engine_time()), "ended_unix": time.time()}
+
+    def _engine_time(self) -> tuple[float, float, float]:
+        s = self.engine.engine.get_stats()
+        return s.engine_steps_total, s.step_seconds_total, s.output_seconds_total
 
     def describe(self) -> dict:
         return {"workload": "W-seed", "model": self.model, "num_requests": self.num_requests,

@@ -79,7 +79,10 @@ class AsyncEngineStats:
     num_preemptions_total: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
-    num_steps_total: int = 0
+    num_steps_total: int = 0  # this loop's steps (with an engine process: the step messages it read)
+    engine_steps_total: int = 0  # the engine's own, and where its time went (EngineStats)
+    engine_step_seconds_total: float = 0.0
+    engine_output_seconds_total: float = 0.0
     last_heartbeat: float = 0.0  # time.monotonic() of the loop's last step or idle wake-up
 
     @property
@@ -418,7 +421,8 @@ class AsyncLLMEngine:
             prefix_cache_hits=s.prefix_cache_hits, prefix_cache_queries=s.prefix_cache_queries,
             num_preemptions_total=s.num_preemptions_total, prompt_tokens_total=s.prompt_tokens_total,
             generation_tokens_total=s.generation_tokens_total, num_steps_total=num_steps,
-            last_heartbeat=self._heartbeat())
+            engine_steps_total=s.engine_steps_total, engine_step_seconds_total=s.step_seconds_total,
+            engine_output_seconds_total=s.output_seconds_total, last_heartbeat=self._heartbeat())
 
     def _hand_off(self, admissions, deltas, stats, num_drained) -> None:
         if admissions or deltas or num_drained:

@@ -54,6 +54,11 @@ class EngineStats:
     num_preemptions_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # where the engine's time goes: its steps, and handing their outputs to the server (only an
+    # engine process does that part; in-thread engines leave it 0)
+    engine_steps_total: int = 0
+    step_seconds_total: float = 0.0
+    output_seconds_total: float = 0.0
 
 
 class LLMEngine:
@@ -91,6 +96,9 @@ class LLMEngine:
         self._num_not_plain_greedy = 0  # requests that need more than an argmax of the logits
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.engine_steps_total = 0
+        self.step_seconds_total = 0.0  # inside step()
+        self.output_seconds_total = 0.0  # added by whoever sends the deltas on (the engine process)
         self._log_startup(time.perf_counter() - started)
 
     def _resolve_max_model_len(self) -> int:
@@ -162,6 +170,13 @@ class LLMEngine:
         launched before it. With overlap on, the GPU runs batch N+1 while the host turns
         batch N's tokens into text and stop decisions; off, each batch is processed right
         after its own launch."""
+        started = time.perf_counter()
+        deltas = self._step()
+        self.engine_steps_total += 1
+        self.step_seconds_total += time.perf_counter() - started
+        return deltas
+
+    def _step(self) -> list[RequestDelta]:
         deltas, self._pending_deltas = self._pending_deltas, []
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and not self._can_overlap():
@@ -335,7 +350,9 @@ class LLMEngine:
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks, kv_cache_usage=bm.usage,
             prefix_cache_hits=bm.prefix_cache_hits, prefix_cache_queries=bm.prefix_cache_queries,
             num_preemptions_total=self.scheduler.num_preemptions_total,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total)
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            engine_steps_total=self.engine_steps_total, step_seconds_total=self.step_seconds_total,
+            output_seconds_total=self.output_seconds_total)
 
     def check_integrity(self) -> None:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)

@@ -73,7 +73,7 @@ _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _SAMPLING_DEFAULTS = tuple((name, getattr(SamplingParams(), name)) for name in _SAMPLING_FIELDS)
 _STATS_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage",
                  "prefix_cache_hits", "prefix_cache_queries", "num_preemptions_total", "prompt_tokens_total",
-                 "generation_tokens_total")
+                 "generation_tokens_total", "engine_steps_total", "step_seconds_total", "output_seconds_total")
 _json_encode = json.JSONEncoder(separators=(",", ":")).encode
 IDLE_STATS_INTERVAL_S = 0.25  # several clients: how often one with no requests still gets the stats
 
@@ -151,8 +151,10 @@ def serve_engine(engine, commands: Connection, outputs: Connection) -> None:
         if not engine.has_unfinished_requests():
             continue
         deltas = engine.step()
+        stepped = time.perf_counter()
         error_text, last_error = _new_error(engine, last_error)
         send(encode_step(deltas, _stats(engine), error_text))
+        engine.output_seconds_total += time.perf_counter() - stepped
 
 
 def _apply(engine, command: list, send, client: "SharedEngineClient | None" = None) -> bool:
@@ -251,6 +253,7 @@ def serve_clients(engine, clients: list[SharedEngineClient]) -> None:
         if not engine.has_unfinished_requests():
             continue
         deltas = engine.step()
+        stepped = time.perf_counter()
         error_text, last_error = _new_error(engine, last_error)
         stats = _stats(engine)
         groups: dict[SharedEngineClient, tuple[list, list]] = {}
@@ -280,6 +283,7 @@ def serve_clients(engine, clients: list[SharedEngineClient]) -> None:
                 client.send(encode_step(group[0], stats, error_text, group[1]))
             except OSError:
                 detach(client)
+        engine.output_seconds_total += time.perf_counter() - stepped
 
 
 def main(argv: list[str] | None = None) -> int:

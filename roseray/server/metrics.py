@@ -86,7 +86,11 @@ class _EngineStatsCollector:
         yield counter("prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield counter("num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions_total)
-        yield counter("engine_steps", "Engine steps run.", s.num_steps_total)
+        yield counter("engine_steps", "Engine steps run.", s.engine_steps_total)
+        yield counter("engine_step_seconds", "Seconds the engine spent in its steps (schedule, launch, results).",
+                      s.engine_step_seconds_total)
+        yield counter("engine_output_seconds", "Seconds the engine process spent sending its steps' outputs to "
+                      "the API processes (encoding and pipe writes).", s.engine_output_seconds_total)
 
 
 class ServerMetrics:
