@@ -1,8 +1,8 @@
 """One engine child shared by several clients (`roseray serve --api-processes N`): each
-client's requests live in their own namespace, every step's deltas are split so that a
-client gets only its own (under its own handles), a client that stops or goes away has
-only its requests aborted (their blocks freed), and the child ends with its last client.
-CPU, random:tiny."""
+client's requests live in their own namespace (f"{client}.{handle}" in the engine and in
+step messages), every step is encoded once and sent to each client with a request in it
+(idle clients get only the stats), a client that stops or goes away has only its requests
+aborted (their blocks freed), and the child ends with its last client. CPU, random:tiny."""
 
 import os
 import threading
@@ -38,7 +38,8 @@ class Pipes:
         self.commands.send_bytes(_dumps(list(message)))
 
     def read_until_finished(self, handles: set[str]) -> tuple[list, dict]:
-        """Step messages until every handle in `handles` finished: (the messages, handle -> delta fields)."""
+        """Step messages until every request named in `handles` finished: (the messages, name -> delta
+        fields); other clients' deltas in the messages are left out."""
         messages, outputs = [], {h: {"tokens": [], "reason": None} for h in handles}
         while any(outputs[h]["reason"] is None for h in handles):
             message = _loads(self.outputs.recv_bytes())
@@ -47,9 +48,10 @@ class Pipes:
                 continue
             _, names, token_ids, _, _, extras, _, _ = message
             for name, tokens in zip(names, token_ids):
-                outputs[name]["tokens"] += tokens if isinstance(tokens, list) else [tokens]
+                if name in outputs:
+                    outputs[name]["tokens"] += tokens if isinstance(tokens, list) else [tokens]
             for index, finished, reason, _, _ in extras:
-                if finished:
+                if finished and names[index] in outputs:
                     outputs[names[index]]["reason"] = reason
         return messages, outputs
 
@@ -73,14 +75,17 @@ def test_each_client_gets_only_its_own_deltas_from_a_shared_step(engine):
     a.send("add", [["0", [1, 2, 3], {**PARAMS, "max_tokens": 6}, 0.0], ["1", [4, 5], {**PARAMS, "max_tokens": 4}, 0.0]])
     b.send("add", [["0", [1, 2, 3], {**PARAMS, "max_tokens": 5}, 0.0]])
     thread = start(engine, [a, b])
-    a_messages, a_out = a.read_until_finished({"0", "1"})
-    b_messages, b_out = b.read_until_finished({"0"})
-    assert all(set(m[1]) <= {"0", "1"} for m in a_messages) and all(set(m[1]) <= {"0"} for m in b_messages)
-    assert a_messages[0][1] == ["0", "1"] and b_messages[0][1] == ["0"]  # the first step ran all three
-    assert [len(a_out["0"]["tokens"]), len(a_out["1"]["tokens"]), len(b_out["0"]["tokens"])] == [6, 4, 5]
-    assert b_out["0"]["tokens"] == a_out["0"]["tokens"][:5]  # same prompt, greedy: same tokens, kept apart
-    assert {a_out["0"]["reason"], a_out["1"]["reason"], b_out["0"]["reason"]} == {"length"}
-    while b.outputs.poll(0.5):  # b finished first: it still gets the stats of the engine going idle
+    a_messages, a_out = a.read_until_finished({"0.0", "0.1"})
+    b_messages, b_out = b.read_until_finished({"1.0"})
+    assert a_messages[0][1] == ["0.0", "0.1", "1.0"]  # the first step ran all three
+    assert a_messages[:len(b_messages)] == b_messages  # each step encoded once: the same message to both
+    # a's requests and b's are kept apart by their prefixes: same handle, same prompt, different requests
+    assert [len(a_out["0.0"]["tokens"]), len(a_out["0.1"]["tokens"]), len(b_out["1.0"]["tokens"])] == [6, 4, 5]
+    assert b_out["1.0"]["tokens"] == a_out["0.0"]["tokens"][:5]  # same prompt, greedy: same tokens
+    assert {a_out["0.0"]["reason"], a_out["0.1"]["reason"], b_out["1.0"]["reason"]} == {"length"}
+    # b finished first: after its last step it gets no deltas, but the stats of the engine going idle
+    assert all(set(m[1]) <= {"0.0", "0.1"} for m in a_messages[len(b_messages):])
+    while b.outputs.poll(0.5):
         b_messages.append(_loads(b.outputs.recv_bytes()))
     assert b_messages[-1][1] == [] and b_messages[-1][6] == a_messages[-1][6] and a_messages[-1][6][0] == 0
     a.send("stop")
@@ -95,11 +100,11 @@ def test_a_client_that_stops_or_goes_away_has_only_its_requests_aborted(engine):
     b.send("add", [["0", [7, 8], {**PARAMS, "max_tokens": 30}, 0.0]])
     c.send("add", [["0", [9, 9], {**PARAMS, "max_tokens": 400}, 0.0]])
     thread = start(engine, [a, b, c])
-    assert _loads(a.outputs.recv_bytes())[1] == ["0"]  # running
+    assert _loads(a.outputs.recv_bytes())[1] == ["0.0", "1.0", "2.0"]  # running
     a.send("stop")
     c.commands.close()  # c's process died: the child reads the end of its pipe
-    _, b_out = b.read_until_finished({"0"})
-    assert b_out["0"]["reason"] == "length" and len(b_out["0"]["tokens"]) == 30
+    _, b_out = b.read_until_finished({"1.0"})
+    assert b_out["1.0"]["reason"] == "length" and len(b_out["1.0"]["tokens"]) == 30
     b.send("check_integrity", 1)
     reply = next(m for m in iter(lambda: _loads(b.outputs.recv_bytes()), None) if m[0] == "reply")
     _, call_id, failure, stats = reply
@@ -115,7 +120,7 @@ def test_an_idle_client_gets_the_stats_now_and_then_and_when_the_engine_goes_idl
     busy, idle = Pipes(), Pipes()
     busy.send("add", [["0", [1, 2], {**PARAMS, "max_tokens": 20}, 0.0]])
     thread = start(engine, [busy, idle])
-    busy.read_until_finished({"0"})
+    busy.read_until_finished({"0.0"})
     last = None
     while idle.outputs.poll(1.0):
         last = _loads(idle.outputs.recv_bytes())
@@ -133,9 +138,10 @@ def test_clients_over_a_spawned_shared_child():
     first, second = (EngineProcessClient.connect(config(), *pair) for pair in fds)
     try:
         assert first.pid == second.pid == process.pid
-        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-        first.add_request("x", [1, 2, 3], params)
-        second.add_request("x", [1, 2, 3], params)  # the same request id in another client
+        first.add_request("x", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        # the same request id in another client; it finishes first and asks for logprobs, so the
+        # messages both read carry extras for a delta that is not the first client's
+        second.add_request("x", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1))
         results = {}
         for client, name in ((first, "first"), (second, "second")):
             deltas = []
@@ -143,7 +149,9 @@ def test_clients_over_a_spawned_shared_child():
                 deltas += client.step()
             results[name] = [t for d in deltas for t in d.new_token_ids]
             assert deltas[-1].finished and deltas[-1].request_id == "x"
-        assert results["first"] == results["second"] and len(results["first"]) == 5
+            assert all(d.request_id == "x" for d in deltas) and [d.finished for d in deltas].count(True) == 1
+            assert all((d.new_logprobs is not None) == (name == "second") for d in deltas)
+        assert len(results["first"]) == 5 and results["second"] == results["first"][:3]
         first.check_integrity()
     finally:
         first.close()
