@@ -157,3 +157,18 @@ def test_clients_over_a_spawned_shared_child():
         first.close()
         second.close()
     assert process.wait(10) == 0
+
+
+def test_the_fanout_cost_script_measures_both_loops():
+    """scripts/engine_fanout_cost.py (the figures behind one message for all clients) runs
+    serve_engine and serve_clients on its stub engine and reads their output time."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "engine_fanout_cost.py"
+    spec = importlib.util.spec_from_file_location("engine_fanout_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for num_clients in (1, 3):
+        loop_us, output_us = module.measure(num_clients, 12, 40)
+        assert 0.0 < output_us < loop_us, (num_clients, loop_us, output_us)
