@@ -172,3 +172,51 @@ def test_the_fanout_cost_script_measures_both_loops():
     for num_clients in (1, 3):
         loop_us, output_us = module.measure(num_clients, 12, 40)
         assert 0.0 < output_us < loop_us, (num_clients, loop_us, output_us)
+
+
+@pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_GETPIPE_SZ"), reason="Linux pipe sizes")
+def test_output_pipes_hold_many_steps_of_a_shared_engine():
+    """Every busy client gets the whole step, so an output pipe must hold many steps before
+    a client that falls behind stalls the child (widen_pipe, in spawn_engine_process)."""
+    import fcntl
+
+    from roseray.engine.engine_process import OUTPUT_PIPE_BYTES, widen_pipe
+
+    read_end, write_end = os.pipe()
+    try:
+        assert widen_pipe(write_end, OUTPUT_PIPE_BYTES) >= OUTPUT_PIPE_BYTES
+        assert fcntl.fcntl(read_end, fcntl.F_GETPIPE_SZ) >= OUTPUT_PIPE_BYTES  # one pipe, both ends
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    process, fds = spawn_engine_process(config(), num_clients=2)
+    try:
+        for commands_fd, outputs_fd in fds:
+            assert fcntl.fcntl(outputs_fd, fcntl.F_GETPIPE_SZ) >= OUTPUT_PIPE_BYTES
+    finally:
+        for commands_fd, outputs_fd in fds:
+            os.close(commands_fd)
+            os.close(outputs_fd)
+        process.wait(60)
+
+
+@pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_GETPIPE_SZ"), reason="Linux pipe sizes")
+def test_a_pipe_that_cannot_grow_keeps_its_size(monkeypatch):
+    import fcntl
+
+    from roseray.engine import engine_process
+
+    real = fcntl.fcntl
+
+    def refusing(fd, command, *args):
+        if command == fcntl.F_SETPIPE_SZ:
+            raise PermissionError("past the user's pipe pages")
+        return real(fd, command, *args)
+
+    monkeypatch.setattr(engine_process.fcntl, "fcntl", refusing)
+    read_end, write_end = os.pipe()
+    try:
+        assert engine_process.widen_pipe(write_end, engine_process.OUTPUT_PIPE_BYTES) == real(read_end, fcntl.F_GETPIPE_SZ)
+    finally:
+        os.close(read_end)
+        os.close(write_end)

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import gc
 import json
 import logging
@@ -82,6 +83,11 @@ _STATS_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blo
                  "generation_tokens_total", "engine_steps_total", "step_seconds_total", "output_seconds_total")
 _json_encode = json.JSONEncoder(separators=(",", ":")).encode
 IDLE_STATS_INTERVAL_S = 0.25  # several clients: how often one with no requests still gets the stats
+# An output pipe holds this much before the child's write blocks: a step of 128 deltas is ~3.2 KB
+# and every busy client gets the whole step, so Linux's 64 KiB default is only ~20 steps (~13 ms
+# at 0.65 ms a step) of a client falling behind (a burst of admissions, a pause) before it stalls
+# the engine for every client; 512 KiB is ~160 steps
+OUTPUT_PIPE_BYTES = 512 * 1024
 
 
 def _dumps(message) -> bytes:
@@ -331,6 +337,20 @@ def _send_quietly(outputs: Connection, data: bytes) -> None:
         pass
 
 
+def widen_pipe(fd: int, size: int) -> int:
+    """Ask Linux to let the pipe of `fd` hold `size` bytes; returns what it holds now. Best
+    effort: elsewhere, or past /proc/sys/fs/pipe-max-size or the user's pipe pages, the pipe
+    keeps its size (a log line says so)."""
+    set_size, get_size = getattr(fcntl, "F_SETPIPE_SZ", None), getattr(fcntl, "F_GETPIPE_SZ", None)
+    if set_size is None or get_size is None:
+        return 0
+    try:
+        return fcntl.fcntl(fd, set_size, size)
+    except OSError as error:
+        logger.info("could not grow an engine output pipe to %d bytes (%s)", size, error)
+        return fcntl.fcntl(fd, get_size)
+
+
 def spawn_engine_process(config: EngineConfig, num_clients: int = 1) -> tuple[subprocess.Popen, list[tuple[int, int]]]:
     """Start `python -m roseray.engine.engine_process` with one pipe pair per client and
     send it the config (first, on the first client's command pipe). Returns the process
@@ -341,6 +361,7 @@ def spawn_engine_process(config: EngineConfig, num_clients: int = 1) -> tuple[su
     for _ in range(num_clients):
         cmd_r, cmd_w = os.pipe()
         out_r, out_w = os.pipe()
+        widen_pipe(out_w, OUTPUT_PIPE_BYTES)
         child_fds += [cmd_r, out_w]
         client_fds.append((cmd_w, out_r))
         argv += ["--commands-fd", str(cmd_r), "--outputs-fd", str(out_w)]
