@@ -246,10 +246,11 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--port", type=int, default=8011)
-    parser.add_argument("--client-processes", type=int, default=8,
-                        help="client processes sharing the streams (128 real clients send at once; one aiohttp "
-                             "process gets its 32nd request of a burst on the wire ~2.5 ms after its first on "
-                             "the dev box, 8 requests in ~0.6 ms, and reads at most ~50k events/s)")
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="client processes sharing the streams (128 real clients send at once: one aiohttp "
+                             "process puts the 32nd request of a burst on the wire ~2.5 ms after the burst "
+                             "starts on the dev box, the 8th after ~0.6 ms; but more processes compete with the "
+                             "server for the host's cores: see BENCHMARKS.md)")
     parser.add_argument("--api-processes", type=int, default=1, help="`roseray serve --api-processes`")
     parser.add_argument("--server-port", type=int, default=None,
                         help="measure the server already listening here (e.g. the Ray Serve app) and write the "

@@ -34,8 +34,8 @@ source scripts/ray_app.sh
 trap 'stop_server' EXIT
 trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left behind
 
-# CLIENT_PROCS: client processes sharing the streams (see http_vs_inprocess.py --help; 4 before the seventh session)
-sizes=(--model "$MODEL" --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --client-processes "${CLIENT_PROCS:-8}")
+# CLIENT_PROCS: client processes sharing the streams (see http_vs_inprocess.py --help)
+sizes=(--model "$MODEL" --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --client-processes "${CLIENT_PROCS:-4}")
 start_server ray 1 kv_queue || exit 1
 # (each pass also records the replica's engine process's CPU use: the one engine process here)
 if [ "$INTERLEAVE" = 1 ]; then
