@@ -7,8 +7,8 @@ front of it, `--client-processes` client processes), in one run.
     bash scripts/ray_vs_inprocess.sh        # the same through the Ray Serve app (--server-port --interleave)
 
 With --server-port and --interleave the two halves take turns, burst for burst, in one run:
-an HTTP burst, then an in-process burst on an engine of this process that stays up beside
-the server's (the server's engine is idle meanwhile). Each pair then meets the same state of
+pairs of an HTTP burst and an in-process burst (which goes first alternates), the latter on
+an engine of this process that stays up beside the server's (idle meanwhile). Each pair then meets the same state of
 the machine, whose speed drifts over seconds to minutes (BENCHMARKS.md, "where the spread
 comes from"); both engines need a fixed KV size (--engine-args '{"num_kv_blocks": N}'), as
 the second one cannot size itself from the GPU memory left.
@@ -154,22 +154,36 @@ def measure_passes(port: int, model: str, n: int, max_tokens: int, processes: in
     return {**median_pass(warm), "warm_passes": len(warm), "all_passes": runs}
 
 
+def _print_pair(index: int, passes: int, http: dict, inproc: dict) -> None:
+    print(f"pair {index + 1}/{passes}: HTTP {http['throughput_tok_s']:,.0f} tok/s (TTFT p50 "
+          f"{http['ttft_ms']['p50']:.1f} ms, chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms), "
+          f"in-process {inproc['throughput_tok_s']:,.0f} tok/s (TTFT p50 {inproc['ttft_ms']['p50']:.1f} ms, "
+          f"TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms) = "
+          f"{http['throughput_tok_s'] / inproc['throughput_tok_s']:.0%}; HTTP{_engine_text(http) or ': -'}; "
+          f"in-process{_engine_text(inproc) or ': -'}")
+
+
 def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processes: int, passes: int,
                         engine_pid: int | None, engine_args: dict) -> dict:
-    """`passes` pairs of bursts: one through the server at `port`, then one on an in-process
-    engine with `engine_args`, each pair printed; the first pair warms both. Returns the
-    comparison of the warm medians, with every pair's ratio and their median."""
+    """`passes` pairs of bursts: one through the server at `port` and one on an in-process
+    engine with `engine_args`, taking turns at going first (neither side always runs right
+    after the other), each pair printed; the first pair warms both. Returns the comparison
+    of the warm medians, with every pair's ratio and their median."""
     with SeedEngine(model, n, engine_args) as seed:  # up first: its start-up takes the GPU for a while
         pairs = []
-        for index, http in enumerate(_bursts(port, model, n, max_tokens, processes, passes, engine_pid)):
-            inproc = seed.burst()
-            pairs.append((http, inproc))
-            print(f"pair {index + 1}/{passes}: HTTP {http['throughput_tok_s']:,.0f} tok/s (TTFT p50 "
-                  f"{http['ttft_ms']['p50']:.1f} ms, chunk gap p50 {http['chunk_gap_ms']['p50']:.2f} ms), "
-                  f"in-process {inproc['throughput_tok_s']:,.0f} tok/s (TTFT p50 {inproc['ttft_ms']['p50']:.1f} ms, "
-                  f"TPOT p50 {inproc['tpot_ms']['p50']:.2f} ms) = "
-                  f"{http['throughput_tok_s'] / inproc['throughput_tok_s']:.0%}; HTTP{_engine_text(http) or ': -'}; "
-                  f"in-process{_engine_text(inproc) or ': -'}")
+        bursts = _bursts(port, model, n, max_tokens, processes, passes, engine_pid)
+        try:
+            for index in range(passes):
+                if index % 2 == 0:
+                    http = next(bursts)
+                    inproc = seed.burst()
+                else:
+                    inproc = seed.burst()
+                    http = next(bursts)
+                pairs.append((http, inproc))
+                _print_pair(index, passes, http, inproc)
+        finally:
+            bursts.close()  # the client processes end
         described = seed.describe()
     warm = pairs[1:] if len(pairs) > 1 else pairs
     http = {**median_pass([h for h, _ in warm]), "warm_passes": len(warm), "all_passes": [h for h, _ in pairs],

@@ -87,9 +87,10 @@ def _http_burst(tok_s: float) -> dict:
 
 
 @linux_only
-def test_interleaved_comparison_runs_an_in_process_burst_after_each_http_burst(monkeypatch, capsys):
-    """Each HTTP burst is paired with the in-process burst that follows it on a real engine;
-    the first pair warms both and is left out of the medians and the ratios."""
+def test_interleaved_comparison_pairs_each_http_burst_with_an_in_process_burst(monkeypatch, capsys):
+    """Each HTTP burst is paired with an in-process burst on a real engine, the two taking
+    turns at going first; the first pair warms both and is left out of the medians and the
+    ratios."""
     module = _load_http_vs_inprocess()
     monkeypatch.setattr(stream, "seed_workload", lambda n: ([[7] for _ in range(n)], [
         SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4) for _ in range(n)]))
@@ -110,7 +111,7 @@ def test_interleaved_comparison_runs_an_in_process_burst_after_each_http_burst(m
 
     monkeypatch.setattr(module, "_bursts", fake_bursts)
     result = module.measure_interleaved(1, "random:tiny", 3, 4, 1, 4, None, {"device": "cpu"})
-    assert order == ["http", "in-process"] * 4
+    assert order == ["http", "in-process", "in-process", "http"] * 2
     inproc = result["in_process"]["all_passes"]
     assert len(inproc) == 4 and all(run["completion_tokens"] == 3 * 4 for run in inproc)
     assert result["http"]["warm_passes"] == 3 and result["http"]["passes_tok_s"] == [2.0, 3.0, 4.0]
