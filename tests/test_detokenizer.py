@@ -220,3 +220,20 @@ def test_step_token_equals_step_of_one_token(output_ids, skip_special):
         assert fast.flush() == slow.flush() and fast.output_text == slow.output_text
     with pytest.raises(ValueError, match="outside the vocabulary"):
         make_detokenizer(tokenizer, []).step_token(PRESET_VOCAB)
+
+
+def test_the_detokenizer_cost_script_runs_on_a_tokenizer_it_trains(monkeypatch, capsys):
+    """scripts/detokenizer_cost.py (the real-tokenizer figures in BENCHMARKS.md) trains a
+    byte-level BPE here, runs both detokenizers over the same tokens and gets the same text."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "detokenizer_cost.py"
+    spec = importlib.util.spec_from_file_location("detokenizer_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["detokenizer_cost.py", "--requests", "2", "--steps", "12", "--vocab", "300"])
+    module.main()
+    out = capsys.readouterr().out
+    assert "IncrementalDetokenizer:" in out and "same text as the window detokenizer: True" in out
