@@ -149,7 +149,12 @@ def measure_passes(port: int, model: str, n: int, max_tokens: int, processes: in
               f"{http['ttft_ms']['p50']:.1f} ms (p95 {http['ttft_ms']['p95']:.1f}), chunk gap p50 "
               f"{http['chunk_gap_ms']['p50']:.2f} ms, {http['events_per_chunk']:.2f} events per chunk; "
               f"streams per process {sorted(http['served_by'].values(), reverse=True)}{_engine_text(http)}")
-    # a W-seed burst lasts ~0.1 s: one pass is noisy, the median of the warm ones is compared
+    return _warm_median(runs)
+
+
+def _warm_median(runs: list[dict]) -> dict:
+    """The median of all but the first run (which warmed up), with every run kept: a W-seed
+    burst lasts ~0.1 s, so one is noisy."""
     warm = runs[1:] if len(runs) > 1 else runs
     return {**median_pass(warm), "warm_passes": len(warm), "all_passes": runs}
 
@@ -185,11 +190,10 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
         finally:
             bursts.close()  # the client processes end
         described = seed.describe()
-    warm = pairs[1:] if len(pairs) > 1 else pairs
-    http = {**median_pass([h for h, _ in warm]), "warm_passes": len(warm), "all_passes": [h for h, _ in pairs],
-            "server_port": port}
-    inproc = {**described, **median_pass([i for _, i in warm]), "all_passes": [i for _, i in pairs]}
+    http = {**_warm_median([h for h, _ in pairs]), "server_port": port}
+    inproc = {**described, **_warm_median([i for _, i in pairs])}
     result = compare(http, inproc, f"server on port {port}, interleaved")
+    warm = pairs[1:] if len(pairs) > 1 else pairs
     ratios = [h["throughput_tok_s"] / i["throughput_tok_s"] for h, i in warm]
     result["pair_ratios"] = ratios
     result["median_pair_ratio"] = float(np.median(ratios))
@@ -277,8 +281,9 @@ def main() -> None:
                         help="with --server-port: the server's engine process, whose CPU time and run-queue wait "
                              "each pass records (from /proc/PID/schedstat; default: the one running here, if one)")
     parser.add_argument("--interleave", action="store_true",
-                        help="with --server-port: an in-process burst after each HTTP burst, on an engine of "
-                             "this process beside the server's (give both a fixed num_kv_blocks), and compare")
+                        help="with --server-port: pair each HTTP burst with an in-process burst (which goes first "
+                             "alternates), on an engine of this process beside the server's (give both a fixed "
+                             "num_kv_blocks), and compare")
     parser.add_argument("--engine-args", type=json.loads, default={},
                         help="EngineConfig fields as JSON for the in-process engine (as the server's)")
     parser.add_argument("--against-http", default=None,

@@ -111,9 +111,9 @@ def freeze_startup_objects() -> None:
 
 
 # ---- the child ---------------------------------------------------------------------------
-def encode_step(deltas: list[RequestDelta], stats: list, error: str | None) -> bytes:
-    """One step's deltas as a columnar JSON message, named by their request ids in the
-    engine (the client's handles, under its prefix)."""
+def step_extras(deltas: list[RequestDelta]) -> list[list]:
+    """The rare parts of a step's deltas, by index: [index, finished, finish_reason,
+    logprobs, summary] for each delta that finished or carries logprobs."""
     extras = []
     for index, delta in enumerate(deltas):
         if delta.finished or delta.new_logprobs is not None:
@@ -125,6 +125,15 @@ def encode_step(deltas: list[RequestDelta], stats: list, error: str | None) -> b
                 req = delta.request
                 summary = [req.first_scheduled_time, req.num_cached_tokens, req.stop_reason]
             extras.append([index, delta.finished, delta.finish_reason, logprobs, summary])
+    return extras
+
+
+def encode_step(deltas: list[RequestDelta], stats: list, error: str | None, extras: list[list] | None = None) -> bytes:
+    """One step's deltas as a columnar JSON message, named by their request ids in the
+    engine (the client's handles, under its prefix); `extras`: step_extras(deltas), when
+    the caller has it already."""
+    if extras is None:
+        extras = step_extras(deltas)
     tokens = [d.new_token_ids[0] if len(d.new_token_ids) == 1 else d.new_token_ids for d in deltas]
     return _dumps(["step", [d.request_id for d in deltas], tokens,
                     [d.new_text for d in deltas], [d.num_output_tokens for d in deltas], extras, stats,
@@ -269,12 +278,14 @@ def serve_clients(engine, clients: list[SharedEngineClient]) -> None:
         stepped = time.perf_counter()
         error_text, last_error = _new_error(engine, last_error)
         stats = _stats(engine)
-        message = encode_step(deltas, stats, error_text)
-        for delta in deltas:
-            if delta.finished:
-                client = owners.pop(delta.request_id, None)
+        extras = step_extras(deltas)
+        message = encode_step(deltas, stats, error_text, extras)
+        for index, finished, *_ in extras:  # the finished ones are among the extras: no pass over every delta
+            if finished:
+                request_id = deltas[index].request_id
+                client = owners.pop(request_id, None)
                 if client is not None:  # None: its client detached
-                    client.requests.discard(delta.request_id)
+                    client.requests.discard(request_id)
         everyone = error_text is not None or not engine.has_unfinished_requests()
         now = time.monotonic()
         stats_only = None
