@@ -25,12 +25,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
 import numpy as np
 
-from roseray.bench.common import engine_cpu_use, engine_time_from_metrics, engine_time_split, percentiles
+from roseray.bench.common import (engine_cpu_use, engine_time_from_metrics, engine_time_split, histogram_totals,
+                                  percentiles, server_time_split)
 from roseray.bench.stream import SeedEngine, median_pass, run_seed
 
 
@@ -67,7 +69,12 @@ async def _client_streams(port: int, model: str, n: int, max_tokens: int, passes
 
 
 def _client_process(port, model, n, max_tokens, passes, barrier, results) -> None:
-    asyncio.run(_client_streams(port, model, n, max_tokens, passes, barrier, results))
+    try:
+        asyncio.run(_client_streams(port, model, n, max_tokens, passes, barrier, results))
+    except BaseException:  # the parent stops at once instead of waiting out its timeouts
+        barrier.abort()
+        results.put(None)
+        raise
 
 
 def _summary(results: list, processes: int) -> dict:
@@ -79,7 +86,9 @@ def _summary(results: list, processes: int) -> dict:
     ttft = [r[1][0] - r[0] for r in results]
     ms = lambda xs: {k: v * 1e3 for k, v in percentiles(xs).items()}  # noqa: E731
     return {"completion_tokens": total, "wall_s": last - started, "throughput_tok_s": total / (last - started),
-            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl), "client_processes": processes,
+            "ttft_ms": ms(ttft), "ttft_mean_ms": float(np.mean(ttft)) * 1e3, "tpot_ms": ms(tpot),
+            # from the first request of the burst on the wire to the last (the client's own spread)
+            "send_spread_ms": (max(r[0] for r in results) - started) * 1e3, "itl_ms": ms(itl), "client_processes": processes,
             # events that reached the client together (the server wrote several steps' tokens at once)
             "gaps_under_50us_fraction": float(np.mean(itl < 50e-6)),
             # the gaps between reads that brought tokens (events closer than 50 us count as one chunk)
@@ -91,7 +100,8 @@ def _summary(results: list, processes: int) -> dict:
 def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, passes: int, engine_pid: int | None):
     """Yields `passes` bursts of `n` streams, one after another, from `processes` client
     processes that live through them all and start each burst together (one Python client
-    process caps out near 50k events/s and would time itself, not the server)."""
+    process caps out near 50k events/s and would time itself, not the server). The first
+    burst's server-side TTFT split may also count the clients' warm-up requests."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -103,12 +113,20 @@ def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, pass
         worker.start()
     try:
         for _ in range(passes):
-            before = engine_time_over_http(port)
+            page = _metrics_page(port)
             with engine_cpu_use(engine_pid) as cpu:
-                barrier.wait(timeout=600)
+                try:
+                    barrier.wait(timeout=600)
+                except threading.BrokenBarrierError:
+                    raise RuntimeError("a client process failed (its traceback is above)") from None
                 parts = [queue.get(timeout=600) for _ in workers]
+            if None in parts:
+                raise RuntimeError("a client process failed (its traceback is above)")
+            engine_after = engine_time_over_http(port)
             yield {**_summary([r for part in parts for r in part], processes), **cpu,
-                   **engine_time_split(before, engine_time_over_http(port)), "ended_unix": time.time()}
+                   **engine_time_split(engine_time_from_metrics(page), engine_after),
+                   **server_time_split(histogram_totals(page), _settled_request_times(port, page, n)),
+                   "ended_unix": time.time()}
     finally:
         for worker in workers:
             worker.join(10)
@@ -116,13 +134,32 @@ def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, pass
                 worker.terminate()
 
 
-def engine_time_over_http(port: int) -> tuple[float, float, float] | None:
-    """The server's engine time counters from its /metrics (None when it has none)."""
+def _metrics_page(port: int) -> str:
+    """The server's /metrics page ("" when it cannot be read)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-            return engine_time_from_metrics(response.read().decode())
+            return response.read().decode()
     except OSError:
-        return None
+        return ""
+
+
+def engine_time_over_http(port: int) -> tuple[float, float, float] | None:
+    """The server's engine time counters from its /metrics (None when it has none)."""
+    return engine_time_from_metrics(_metrics_page(port))
+
+
+def _settled_request_times(port: int, before_page: str, n: int, timeout_s: float = 3.0) -> dict:
+    """histogram_totals of the server once its time-to-first-token histogram counts the `n`
+    requests of a burst after `before_page` (API processes share their request metrics as
+    snapshots up to ~1 s old: metrics_share.py), or whatever it counts after `timeout_s`."""
+    name = "roseray:time_to_first_token_seconds"
+    start = histogram_totals(before_page).get(name, (0.0, 0.0))[1]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        totals = histogram_totals(_metrics_page(port))
+        if totals.get(name, (0.0, 0.0))[1] >= start + n or time.monotonic() > deadline:
+            return totals
+        time.sleep(0.1)
 
 
 def engine_process_pid() -> int | None:
@@ -228,6 +265,11 @@ def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api
 
 def _engine_text(run: dict) -> str:
     text = ""
+    if "server_ttft_mean_ms" in run:  # where a request's time to first token went, on average
+        text += (f"; TTFT mean {run['ttft_mean_ms']:.1f} ms = {run['ttft_mean_ms'] - run['server_ttft_mean_ms']:.1f} "
+                 f"before the API process + {run['server_ttft_mean_ms']:.1f} in it (queued "
+                 f"{run.get('server_queue_mean_ms', float('nan')):.1f}); sends spread over "
+                 f"{run['send_spread_ms']:.1f} ms")
     if "engine_step_us" in run:
         text += (f"; engine step {run['engine_step_us']:.0f} us + output {run['engine_output_us']:.0f} us "
                  f"({run['engine_steps']} steps)")

@@ -137,3 +137,25 @@ def test_engine_time_is_read_from_metrics_and_split_per_step():
     assert split["engine_steps"] == 100
     assert split["engine_step_us"] == pytest.approx(4000.0) and split["engine_output_us"] == pytest.approx(400.0)
     assert engine_time_split(None, after) == {} and engine_time_split(after, after) == {}
+
+
+def test_server_request_times_are_read_from_histograms_and_averaged_per_burst():
+    from roseray.bench.common import histogram_totals, server_time_split
+
+    def page(ttft_sum, ttft_count, queue_sum):
+        return ('# TYPE roseray:time_to_first_token_seconds histogram\n'
+                'roseray:time_to_first_token_seconds_bucket{le="0.01",model_name="m"} 3.0\n'
+                f'roseray:time_to_first_token_seconds_sum{{model_name="m"}} {ttft_sum}\n'
+                f'roseray:time_to_first_token_seconds_count{{model_name="m"}} {ttft_count}\n'
+                f'roseray:time_to_first_token_seconds_created{{model_name="m"}} 1.7e9\n'
+                f'roseray:request_queue_time_seconds_sum{{model_name="m"}} {queue_sum}\n'
+                f'roseray:request_queue_time_seconds_count{{model_name="m"}} {ttft_count}\n'
+                'roseray:e2e_request_latency_seconds_sum{model_name="m"} 9.0\n')
+
+    before, after = histogram_totals(page(0.5, 10, 0.1)), histogram_totals(page(0.9, 18, 0.14))
+    assert before == {"roseray:time_to_first_token_seconds": (0.5, 10.0),
+                      "roseray:request_queue_time_seconds": (0.1, 10.0)}  # the others left out
+    split = server_time_split(before, after)
+    assert split["server_ttft_mean_ms"] == pytest.approx(50.0) and split["server_queue_mean_ms"] == pytest.approx(5.0)
+    assert server_time_split(after, after) == {} and server_time_split({}, after) == {}
+    assert histogram_totals("") == {}

@@ -70,6 +70,34 @@ def engine_time_split(before, after) -> dict:
             "engine_output_us": (after[2] - before[2]) / steps * 1e6}
 
 
+# the server's request histograms whose means split a client's time to first token
+SERVER_TIME_METRICS = ("roseray:time_to_first_token_seconds", "roseray:request_queue_time_seconds")
+
+
+def histogram_totals(text: str, names=SERVER_TIME_METRICS) -> dict[str, tuple[float, float]]:
+    """{name: (sum, count)} of each histogram `names` on a /metrics page, over all its
+    label sets; a name the page lacks is left out."""
+    totals: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        metric = head.split("{", 1)[0]
+        for suffix, slot in (("_sum", 0), ("_count", 1)):
+            name = metric[:-len(suffix)]
+            if metric.endswith(suffix) and name in names:
+                totals.setdefault(name, [0.0, 0.0])[slot] += float(value)
+    return {name: (total[0], total[1]) for name, total in totals.items()}
+
+
+def server_time_split(before: dict, after: dict) -> dict:
+    """The mean time to first token and queue time, in ms, of the requests the server
+    finished between two histogram_totals readings (empty where it finished none)."""
+    found = {}
+    for name, key in zip(SERVER_TIME_METRICS, ("server_ttft_mean_ms", "server_queue_mean_ms")):
+        if name in before and name in after and after[name][1] > before[name][1]:
+            found[key] = (after[name][0] - before[name][0]) / (after[name][1] - before[name][1]) * 1e3
+    return found
+
+
 def resolve_loop(loop: str) -> str:
     """"auto" -> "uvloop" when it is installed (as uvicorn's loop="auto" picks), else "asyncio"."""
     if loop == "auto":
