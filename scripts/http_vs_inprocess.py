@@ -32,7 +32,7 @@ import urllib.request
 import numpy as np
 
 from roseray.bench.common import (engine_cpu_use, engine_time_from_metrics, engine_time_split, histogram_totals,
-                                  percentiles, server_time_split)
+                                  percentiles, run_async, server_time_split)
 from roseray.bench.stream import SeedEngine, median_pass, run_seed
 
 
@@ -40,17 +40,23 @@ async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, l
     body = {"model": model, "prompt": [15496], "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     sent = time.monotonic()
-    times, tokens = [], 0
+    times, tokens, tail = [], 0, b""
     async with session.post(url, json=body) as response:
         assert response.status == 200, await response.text()
-        async for line in response.content:
+        # whatever one read brings, split into its whole events (an SSE event ends in a blank
+        # line), each stamped with the read's time: a third of the CPU of reading line by line
+        # (dev box), which matters where the clients share the server's cores
+        async for chunk in response.content.iter_any():
             now = time.monotonic()
-            if not line.startswith(b"data: {"):
-                continue  # blank separators, [DONE]
-            if b'"choices":[]' in line:  # the usage chunk: the only event parsed (keeps the client light)
-                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-            else:
-                times.append(now)
+            events = (tail + chunk).split(b"\n\n")
+            tail = events.pop()  # an event still arriving (usually b"")
+            for event in events:
+                if not event.startswith(b"data: {"):
+                    continue  # [DONE]
+                if b'"choices":[]' in event:  # the usage chunk: the only event parsed (keeps the client light)
+                    tokens = json.loads(event[6:])["usage"]["completion_tokens"]
+                else:
+                    times.append(now)
     return sent, times, tokens, response.headers.get("x-roseray-replica", "")
 
 
@@ -70,7 +76,7 @@ async def _client_streams(port: int, model: str, n: int, max_tokens: int, passes
 
 def _client_process(port, model, n, max_tokens, passes, barrier, results) -> None:
     try:
-        asyncio.run(_client_streams(port, model, n, max_tokens, passes, barrier, results))
+        run_async(_client_streams(port, model, n, max_tokens, passes, barrier, results))  # on uvloop when installed
     except BaseException:  # the parent stops at once instead of waiting out its timeouts
         barrier.abort()
         results.put(None)
@@ -100,7 +106,7 @@ def _summary(results: list, processes: int) -> dict:
 def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, passes: int, engine_pid: int | None):
     """Yields `passes` bursts of `n` streams, one after another, from `processes` client
     processes that live through them all and start each burst together (one Python client
-    process caps out near 50k events/s and would time itself, not the server). The first
+    process has a ceiling of events per second and would time itself, not the server). The first
     burst's server-side TTFT split may also count the clients' warm-up requests."""
     import multiprocessing
 

@@ -1,6 +1,7 @@
 """The W-seed measurement's own parts: several bursts with the median one reported, and
 the engine process's CPU time and run-queue wait read from /proc."""
 
+import asyncio
 import os
 import sys
 import time
@@ -159,3 +160,33 @@ def test_server_request_times_are_read_from_histograms_and_averaged_per_burst():
     assert split["server_ttft_mean_ms"] == pytest.approx(50.0) and split["server_queue_mean_ms"] == pytest.approx(5.0)
     assert server_time_split(after, after) == {} and server_time_split({}, after) == {}
     assert histogram_totals("") == {}
+
+
+def test_the_load_generator_counts_whole_events_however_the_reads_split_them():
+    """http_vs_inprocess reads each stream in whatever pieces arrive: an event split across
+    two reads counts once, when its end arrives; the usage event gives the token count."""
+    from aiohttp import ClientSession, web
+    from aiohttp.test_utils import TestServer
+
+    module = _load_http_vs_inprocess()
+    pieces = [b'data: {"id":"a","choices":[{"text":"x"}]}\n\ndata: {"id"', b':"a","choices":[{"text":"y"}]}\n',
+              b'\ndata: {"id":"a","choices":[{"text":"z"}]}\n\n',
+              b'data: {"id":"a","choices":[],"usage":{"completion_tokens":3}}\n\ndata: [DONE]\n\n']
+
+    async def handler(request):
+        response = web.StreamResponse(headers={"content-type": "text/event-stream", "x-roseray-replica": "r/api2"})
+        await response.prepare(request)
+        for piece in pieces:
+            await response.write(piece)
+            await asyncio.sleep(0.02)  # separate reads
+        return response
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        async with TestServer(app) as server, ClientSession() as session:
+            return await module._one(session, str(server.make_url("/v1/completions")), "m", 3)
+
+    sent, times, tokens, served_by = asyncio.run(run())
+    assert tokens == 3 and served_by == "r/api2" and len(times) == 3
+    assert sent <= times[0] < times[1] <= times[2]  # y is stamped when its end arrives, after x
