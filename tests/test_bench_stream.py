@@ -190,3 +190,21 @@ def test_the_load_generator_counts_whole_events_however_the_reads_split_them():
     sent, times, tokens, served_by = asyncio.run(run())
     assert tokens == 3 and served_by == "r/api2" and len(times) == 3
     assert sent <= times[0] < times[1] <= times[2]  # y is stamped when its end arrives, after x
+
+
+def test_the_load_generator_cost_script_measures_both_readers(monkeypatch, capsys):
+    """scripts/load_generator_cost.py (the client's CPU per event in BENCHMARKS.md) runs its
+    stub server and both readers, and every event is counted."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "load_generator_cost.py"
+    spec = importlib.util.spec_from_file_location("load_generator_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["load_generator_cost.py", "--streams", "3", "--events", "5", "--bursts", "1",
+                                      "--repeats", "1"])
+    module.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("lines, asyncio") and lines[1].startswith("reads, ")
+    assert all("us of CPU per event" in line for line in lines)
