@@ -6,10 +6,18 @@ Byte tokenizer ids: 0..255 are UTF-8 bytes; the top three ids are special tokens
 template); every other id >= 256 decodes to one printable ASCII character, so the output of
 a random model is readable. Invalid or incomplete UTF-8 decodes with U+FFFD
 (errors="replace"), which an incremental detokenizer reads as "character not finished".
+
+A tokenizer whose `piece_table` gives every token's bytes is detokenized by table lookup
+(detokenizer.ByteDetokenizer) instead of two `decode` calls per token: the byte tokenizer
+always, a Hugging Face byte-level BPE tokenizer (GPT-2, Llama 3, Qwen) when its `decode` is
+checked to be exactly the UTF-8 decoding of its tokens' bytes (`byte_level_pieces`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -20,7 +28,13 @@ from roseray.config import ModelConfig
 from roseray.models.loader import resolve_model_path
 from roseray.models.presets import is_preset
 
+logger = logging.getLogger(__name__)
+
 _PRINTABLE_FIRST, _NUM_PRINTABLE = 32, 95  # ' ' .. '~'
+# byte_level_pieces' check: random id sequences decoded both ways, and text whose decode a
+# tokenization-space clean-up would change
+_CHECK_SEQUENCES, _CHECK_MAX_LEN = 300, 12
+_CLEAN_UP_PROBE = "a . b , c ! d ? e 's f n't g 're h 've i 'm j 'll k 'd"
 
 
 def default_chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -99,8 +113,7 @@ class ByteTokenizer(Tokenizer):
         """The text of every token whose bytes are ASCII (None for the others)."""
         table = self._ascii.get(skip_special_tokens)
         if table is None:
-            table = [piece.decode("ascii") if piece.isascii() else None for piece in self.piece_table(skip_special_tokens)]
-            self._ascii[skip_special_tokens] = table
+            table = self._ascii[skip_special_tokens] = ascii_of(self.piece_table(skip_special_tokens))
         return table
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -120,14 +133,94 @@ class ByteTokenizer(Tokenizer):
         return default_chat_template(messages, add_generation_prompt)
 
 
+def ascii_of(pieces: list[bytes]) -> list[str | None]:
+    """The text of every piece that is ASCII (None for the others)."""
+    return [piece.decode("ascii") if piece.isascii() else None for piece in pieces]
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """The byte of each character of GPT-2's byte-level alphabet (which byte-level BPE
+    tokenizers write their tokens in): printable Latin-1 bytes are themselves, the other 68
+    bytes are U+0100 onwards, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    char_of = {byte: chr(byte) for byte in kept}
+    for offset, byte in enumerate(b for b in range(256) if b not in char_of):
+        char_of[byte] = chr(256 + offset)
+    return {char: byte for byte, char in char_of.items()}
+
+
+def byte_level_pieces(hf: PreTrainedTokenizerBase, skip_special_tokens: bool) -> list[bytes] | None:
+    """Every token id's bytes (indexed by id; b"" for a skipped special token or an id with no
+    token) when `hf.decode(ids)` is exactly the UTF-8 decoding, errors replaced, of the ids'
+    bytes joined, for any ids; else None. That holds for a fast tokenizer whose decoder is
+    ByteLevel alone and whose `decode` cleans up no spaces: each token is written in the
+    byte-level alphabet, an added token not in it stands for its own UTF-8. Checked here, not
+    assumed: random id sequences (special and added tokens among them) and a text that a
+    space clean-up would change must decode the same both ways."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    if decoder.get("type") != "ByteLevel":
+        return None
+    byte_of = byte_level_alphabet()
+    special = {token_id for token_id, token in hf.added_tokens_decoder.items() if token.special}
+    pieces = []
+    for token_id, token in enumerate(hf.convert_ids_to_tokens(list(range(len(hf))))):
+        if token is None or (skip_special_tokens and token_id in special):
+            pieces.append(b"")
+        elif all(char in byte_of for char in token):
+            pieces.append(bytes(byte_of[char] for char in token))
+        else:
+            pieces.append(token.encode("utf-8"))
+
+    def same(ids: list[int]) -> bool:
+        by_table = b"".join(pieces[token_id] for token_id in ids).decode("utf-8", errors="replace")
+        return hf.decode(ids, skip_special_tokens=skip_special_tokens) == by_table
+
+    rng = random.Random(0)
+    added = sorted(hf.added_tokens_decoder)
+    probes = [hf.encode(_CLEAN_UP_PROBE, add_special_tokens=False)]
+    for _ in range(_CHECK_SEQUENCES):
+        ids = [rng.randrange(len(pieces)) for _ in range(rng.randint(1, _CHECK_MAX_LEN))]
+        if added and rng.random() < 0.3:
+            ids.insert(rng.randrange(len(ids) + 1), rng.choice(added))
+        probes.append(ids)
+    if not all(same(ids) for ids in probes):
+        logger.info("%s: decode is not its tokens' bytes joined; text comes from decode calls",
+                    type(hf).__name__)
+        return None
+    return pieces
+
+
 class HFTokenizer(Tokenizer):
     """A thin wrapper over a transformers tokenizer (`.hf` is the wrapped one)."""
+
+    skips_unknown_ids = True  # decode gives no text for an id past the tokenizer (a padded vocabulary's)
 
     def __init__(self, hf: PreTrainedTokenizerBase, name: str, fallback_eos_token_id: int | None = None) -> None:
         self.hf, self.name = hf, name
         self.eos_token_id = hf.eos_token_id if hf.eos_token_id is not None else fallback_eos_token_id
         self.vocab_size = len(hf)
         self.all_special_ids = list(hf.all_special_ids)
+        self._pieces: dict[bool, list[bytes] | None] = {}
+        self._ascii: dict[bool, list[str | None]] = {}
+
+    def piece_table(self, skip_special_tokens: bool = True) -> list[bytes] | None:
+        """Every token's bytes, when decoding is their UTF-8 (byte_level_pieces), else None."""
+        if skip_special_tokens not in self._pieces:
+            self._pieces[skip_special_tokens] = byte_level_pieces(self.hf, skip_special_tokens)
+        return self._pieces[skip_special_tokens]
+
+    def ascii_table(self, skip_special_tokens: bool = True) -> list[str | None]:
+        """The text of every token whose bytes are ASCII (None for the others); needs a piece table."""
+        table = self._ascii.get(skip_special_tokens)
+        if table is None:
+            pieces = self.piece_table(skip_special_tokens)
+            if pieces is None:
+                raise ValueError(f"{self.name}: no piece table (decode is not its tokens' bytes joined)")
+            table = self._ascii[skip_special_tokens] = ascii_of(pieces)
+        return table
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roseray.engine.detokenizer import ByteDetokenizer, IncrementalDetokenizer, find_stop_string, make_detokenizer
+from roseray.engine.detokenizer import (ByteDetokenizer, IncrementalDetokenizer, detokenizes_by_table, find_stop_string,
+                                       make_detokenizer)
 from roseray.tokenizer import ByteTokenizer as PresetByteTokenizer
 
 SPECIAL_ID = 256  # the toy tokenizer's one special token
@@ -236,4 +237,88 @@ def test_the_detokenizer_cost_script_runs_on_a_tokenizer_it_trains(monkeypatch, 
     monkeypatch.setattr(sys, "argv", ["detokenizer_cost.py", "--requests", "2", "--steps", "12", "--vocab", "300"])
     module.main()
     out = capsys.readouterr().out
-    assert "IncrementalDetokenizer:" in out and "same text as the window detokenizer: True" in out
+    lines = out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["IncrementalDetokenizer", "ByteDetokenizer", "DecodeStream"]
+    assert all(line.endswith("the text of decode(all tokens): True") for line in lines), out
+
+
+# ---- Hugging Face byte-level BPE tokenizers: the same table detokenizer ----------------------
+_HF_WORDS = ["the", "quick", "fox", "héllo", "naïve", "日本語", "世界", "🙂", "ok", "'s", "n't", "."]
+
+
+def _hf_byte_level(clean_up: bool = False, decoder=None):
+    """A byte-level BPE trained here, with special tokens and added tokens outside the
+    byte-level alphabet (a space, CJK); `decoder` replaces its ByteLevel decoder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoder if decoder is not None else decoders.ByteLevel()
+    corpus = [" ".join(rng.choice(_HF_WORDS) for _ in range(30)) for _ in range(300)]
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>",
+                                 clean_up_tokenization_spaces=clean_up)
+    hf.add_tokens(["日本", " <tool>", "<think>"])
+    if clean_up:  # transformers skips the clean-up for BPE unless told otherwise
+        hf.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    return hf
+
+
+_HF_CACHE: dict = {}
+
+
+def _hf_tokenizer():
+    from roseray.tokenizer import HFTokenizer
+
+    if "plain" not in _HF_CACHE:
+        _HF_CACHE["plain"] = HFTokenizer(_hf_byte_level(), "trained")
+    return _HF_CACHE["plain"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 420), max_size=60), st.booleans(), st.randoms(use_true_random=False))
+def test_a_byte_level_hf_tokenizer_is_detokenized_by_table_exactly_as_it_decodes(output_ids, skip_special, rng):
+    """Any ids (multi-byte characters split over tokens, special and added tokens, ids past
+    the tokenizer as a padded vocabulary samples them) in any chunks give hf.decode's text."""
+    tokenizer = _hf_tokenizer()
+    detok = make_detokenizer(tokenizer, tokenizer.encode("prompt 世"), skip_special)
+    assert isinstance(detok, ByteDetokenizer)
+    text = "".join(detok.step(chunk) for chunk in split_randomly(output_ids, rng)) + detok.flush()
+    assert text == detok.output_text == tokenizer.hf.decode(output_ids, skip_special_tokens=skip_special)
+    fast = make_detokenizer(tokenizer, [], skip_special)
+    assert "".join(fast.step_token(t) for t in output_ids) + fast.flush() == text  # the engine's per-token path
+
+
+def test_text_the_model_would_write_streams_by_table_and_special_tokens_follow_the_flag():
+    tokenizer = _hf_tokenizer()
+    text = "the naïve fox 日本語 🙂 <think> ok <tool>"
+    ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
+    for skip, expected in ((True, text), (False, text + "<|endoftext|>")):
+        detok = make_detokenizer(tokenizer, [], skip)
+        assert "".join(detok.step_token(t) for t in ids) + detok.flush() == expected
+
+
+@pytest.mark.parametrize("variant", ["clean_up", "strip"])
+def test_a_tokenizer_whose_decode_is_not_its_bytes_keeps_the_window_detokenizer(variant):
+    """A decode that cleans up spaces (" ." -> "."), or a decoder that is not ByteLevel alone,
+    has no piece table: such a tokenizer keeps the window detokenizer."""
+    from tokenizers import decoders
+
+    from roseray.tokenizer import HFTokenizer
+
+    hf = (_hf_byte_level(clean_up=True) if variant == "clean_up" else
+          _hf_byte_level(decoder=decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])))
+    tokenizer = HFTokenizer(hf, "trained")
+    assert tokenizer.piece_table(True) is None and tokenizer.piece_table(False) is None
+    assert isinstance(make_detokenizer(tokenizer, [], True), IncrementalDetokenizer)
+    if variant == "clean_up":
+        assert hf.decode(tokenizer.encode("ok . fox")) == "ok. fox"  # the clean-up is in force here
+
+
+def test_which_detokenizer_a_tokenizer_gets_is_known_before_any_request():
+    assert detokenizes_by_table(_hf_tokenizer()) and detokenizes_by_table(PresetByteTokenizer(PRESET_VOCAB))
+    assert not detokenizes_by_table(ByteTokenizer())  # no piece table at all

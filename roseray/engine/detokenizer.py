@@ -1,11 +1,14 @@
 """Incremental detokenization and stop strings.
 
-Text is produced by decoding a small window of recent token ids twice, with and without
-the new ones, and taking the difference (the prefix/read offsets of vLLM and HF's
-TextStreamer): decoding the window from a few tokens back keeps the tokenizer's
-word-boundary handling (leading spaces, merged bytes) the same as a full decode, and the
-cost per token stays O(window), not O(length). While the decoded tail ends with U+FFFD,
-a multi-byte character is still incomplete and nothing is released.
+A tokenizer with a piece table (every token a fixed byte string: roseray's byte tokenizer, a
+Hugging Face byte-level BPE one) gets ByteDetokenizer, an incremental UTF-8 decoder over the
+tokens' bytes. Any other gets IncrementalDetokenizer: text is produced by decoding a small
+window of recent token ids twice, with and without the new ones, and taking the difference
+(the prefix/read offsets of vLLM and HF's TextStreamer): decoding the window from a few
+tokens back keeps the tokenizer's word-boundary handling (leading spaces, merged bytes) the
+same as a full decode, and the cost per token stays O(window), not O(length). While the
+decoded tail ends with U+FFFD, a multi-byte character is still incomplete and nothing is
+released.
 """
 
 from __future__ import annotations
@@ -91,15 +94,19 @@ class IncrementalDetokenizer:
 
 
 class ByteDetokenizer:
-    """The incremental detokenizer of the byte tokenizer (random presets): every token is
-    a fixed byte string, so an incremental UTF-8 decoder gives exactly `decode(output ids)`
-    at O(1) per token (a held incomplete character is the decoder's own state). A token
-    that is plain ASCII while no character is held skips the decoder (a table lookup)."""
+    """The incremental detokenizer of a tokenizer with a piece table (the byte tokenizer of
+    the random presets; a Hugging Face byte-level BPE tokenizer, tokenizer.byte_level_pieces):
+    every token is a fixed byte string, so an incremental UTF-8 decoder gives exactly
+    `decode(output ids)` at O(1) per token (a held incomplete character is the decoder's own
+    state). A token that is plain ASCII while no character is held skips the decoder (a
+    table lookup). An id past the table raises ValueError, or, with `skip_unknown_ids` (as
+    a Hugging Face tokenizer's decode does with the ids a model's padded vocabulary has
+    beyond it), gives no text."""
 
-    __slots__ = ("_pieces", "_ascii", "_decoder", "_holding", "output_text")
+    __slots__ = ("_pieces", "_ascii", "_decoder", "_holding", "_skip_unknown", "output_text")
 
-    def __init__(self, pieces: list[bytes], ascii_text: list[str | None]) -> None:
-        self._pieces, self._ascii = pieces, ascii_text
+    def __init__(self, pieces: list[bytes], ascii_text: list[str | None], skip_unknown_ids: bool = False) -> None:
+        self._pieces, self._ascii, self._skip_unknown = pieces, ascii_text, skip_unknown_ids
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._holding = False  # the decoder holds the first bytes of a character
         self.output_text = ""
@@ -123,7 +130,9 @@ class ByteDetokenizer:
                     return text
         pieces = self._pieces
         if any(not 0 <= t < len(pieces) for t in new_token_ids):
-            raise ValueError(f"a token id of {new_token_ids} is outside the vocabulary [0, {len(pieces)})")
+            if not self._skip_unknown:
+                raise ValueError(f"a token id of {new_token_ids} is outside the vocabulary [0, {len(pieces)})")
+            new_token_ids = [t for t in new_token_ids if 0 <= t < len(pieces)]
         text = self._decoder.decode(b"".join([pieces[t] for t in new_token_ids]))
         self._holding = bool(self._decoder.getstate()[0])
         self.output_text += text
@@ -136,11 +145,21 @@ class ByteDetokenizer:
         return text
 
 
-def make_detokenizer(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
-    """The fastest exact incremental detokenizer for `tokenizer`."""
+def detokenizes_by_table(tokenizer, skip_special_tokens: bool = True) -> bool:
+    """Whether make_detokenizer gives `tokenizer` the table detokenizer (its table is built
+    now: a 150k vocabulary takes a fraction of a second, better spent before any request)."""
     piece_table = getattr(tokenizer, "piece_table", None)
-    if piece_table is not None:
-        return ByteDetokenizer(piece_table(skip_special_tokens), tokenizer.ascii_table(skip_special_tokens))
+    return piece_table is not None and piece_table(skip_special_tokens) is not None
+
+
+def make_detokenizer(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    """The fastest exact incremental detokenizer for `tokenizer`: by table when it has a
+    piece table (`piece_table(skip_special_tokens)` not None), else by windowed decodes."""
+    piece_table = getattr(tokenizer, "piece_table", None)
+    pieces = piece_table(skip_special_tokens) if piece_table is not None else None
+    if pieces is not None:
+        return ByteDetokenizer(pieces, tokenizer.ascii_table(skip_special_tokens),
+                               skip_unknown_ids=getattr(tokenizer, "skips_unknown_ids", False))
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
 
 

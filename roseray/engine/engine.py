@@ -14,7 +14,7 @@ import torch
 
 from roseray.config import EngineConfig
 from roseray.engine.block_manager import BlockManager
-from roseray.engine.detokenizer import find_stop_string, make_detokenizer
+from roseray.engine.detokenizer import detokenizes_by_table, find_stop_string, make_detokenizer
 from roseray.engine.model_runner import ModelRunner
 from roseray.engine.request import FINISH_REASONS, PLACEHOLDER, Request, RequestDelta, RequestLimits, RequestStatus
 from roseray.engine.sampler import Sampler
@@ -72,6 +72,8 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.model_name = config.model
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_config)
+        # the detokenizer's table (tokenizer.piece_table), built now rather than by the first request
+        self.detokenize_by_table = detokenizes_by_table(self.tokenizer)
         model = load_model(self.model_config, config.model, self.device, self.dtype, seed=config.seed)
         self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.max_num_seqs,
@@ -114,9 +116,11 @@ class LLMEngine:
         capacity = self.runner.num_blocks * self.config.block_size
         gib = self.runner.num_blocks * self.runner.bytes_per_block / 2**30
         mc = self.model_config
-        logger.info("model %s (%s, %d layers, hidden %d, vocab %d) as %s on %s, attention backend %s, loaded in %.1f s",
-                    self.model_name, mc.hf_architecture or mc.architecture, mc.num_hidden_layers, mc.hidden_size,
-                    mc.vocab_size, str(self.dtype).removeprefix("torch."), self.device, self.runner.backend.name, seconds)
+        logger.info("model %s (%s, %d layers, hidden %d, vocab %d) as %s on %s, attention backend %s, loaded in %.1f s; "
+                    "detokenizing %s", self.model_name, mc.hf_architecture or mc.architecture, mc.num_hidden_layers,
+                    mc.hidden_size, mc.vocab_size, str(self.dtype).removeprefix("torch."), self.device,
+                    self.runner.backend.name, seconds,
+                    "by table" if self.detokenize_by_table else "by windowed decode calls")
         logger.info("KV cache: %d blocks x %d = %d tokens (%.2f GiB); max concurrency at max_model_len %d: %.2fx; "
                     "max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s, CUDA graphs %s",
                     self.runner.num_blocks, self.config.block_size, capacity, gib, self.max_model_len,
