@@ -34,6 +34,7 @@ import numpy as np
 from roseray.bench.common import (engine_cpu_use, engine_time_from_metrics, engine_time_split, histogram_totals,
                                   percentiles, run_async, server_time_split)
 from roseray.bench.stream import SeedEngine, median_pass, run_seed
+from roseray.server.metrics_share import PUBLISH_INTERVAL_S
 
 
 async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, list[float], int, str]:
@@ -69,6 +70,7 @@ async def _client_streams(port: int, model: str, n: int, max_tokens: int, passes
         # this process's connection pool (one keep-alive connection per stream, as long-lived
         # clients hold) and the server's code paths warm
         await asyncio.gather(*[_one(session, url, model, 4) for _ in range(n)])
+        barrier.wait()  # warmed: the parent reads the server's counters after this
         for _ in range(passes):
             barrier.wait()  # every client process and the parent are ready: all streams start together
             results.put(await asyncio.gather(*[_one(session, url, model, max_tokens) for _ in range(n)]))
@@ -106,8 +108,7 @@ def _summary(results: list, processes: int) -> dict:
 def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, passes: int, engine_pid: int | None):
     """Yields `passes` bursts of `n` streams, one after another, from `processes` client
     processes that live through them all and start each burst together (one Python client
-    process has a ceiling of events per second and would time itself, not the server). The first
-    burst's server-side TTFT split may also count the clients' warm-up requests."""
+    process has a ceiling of events per second and would time itself, not the server)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -117,14 +118,19 @@ def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, pass
                for k in shares]
     for worker in workers:
         worker.start()
+    def wait_for_clients() -> None:
+        try:
+            barrier.wait(timeout=600)
+        except threading.BrokenBarrierError:
+            raise RuntimeError("a client process failed (its traceback is above)") from None
+
     try:
+        wait_for_clients()  # their warm-up requests are done
+        time.sleep(PUBLISH_INTERVAL_S + 0.2)  # and in every API process's shared metrics
         for _ in range(passes):
             page = _metrics_page(port)
             with engine_cpu_use(engine_pid) as cpu:
-                try:
-                    barrier.wait(timeout=600)
-                except threading.BrokenBarrierError:
-                    raise RuntimeError("a client process failed (its traceback is above)") from None
+                wait_for_clients()
                 parts = [queue.get(timeout=600) for _ in workers]
             if None in parts:
                 raise RuntimeError("a client process failed (its traceback is above)")
