@@ -31,6 +31,8 @@ export PYTHONUNBUFFERED=1 PORT MODEL MAXLEN GPUS ENGINE MAX_NUM_SEQS MAX_WAITING
 python -c "import roseray_kernels" 2>/dev/null \
     || python -m pip install --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "install failed"
 eval "$(python -m roseray.serve.haproxy_env --router-replicas-per-node "${ROUTERS:-auto}")"  # ROUTERS: Router replicas (auto: 4 with GPUs)
+# HAPROXY_THREADS: HAProxy's nbthread (Ray 2.60's default: 4), read when Ray starts
+if [ -n "${HAPROXY_THREADS:-}" ]; then export RAY_SERVE_HAPROXY_NBTHREAD=$HAPROXY_THREADS; fi
 source scripts/ray_app.sh
 trap 'stop_server' EXIT
 trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left behind
