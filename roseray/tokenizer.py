@@ -164,15 +164,17 @@ def byte_level_pieces(hf: PreTrainedTokenizerBase, skip_special_tokens: bool) ->
     if decoder.get("type") != "ByteLevel":
         return None
     byte_of = byte_level_alphabet()
+    to_latin1 = str.maketrans({char: chr(byte) for char, byte in byte_of.items()})  # then .encode("latin-1")
+    outside = str.maketrans(dict.fromkeys(byte_of))  # what is left of a token outside the alphabet
     special = {token_id for token_id, token in hf.added_tokens_decoder.items() if token.special}
     pieces = []
     for token_id, token in enumerate(hf.convert_ids_to_tokens(list(range(len(hf))))):
         if token is None or (skip_special_tokens and token_id in special):
             pieces.append(b"")
-        elif all(char in byte_of for char in token):
-            pieces.append(bytes(byte_of[char] for char in token))
-        else:
+        elif token.translate(outside):  # not in the alphabet: its own UTF-8
             pieces.append(token.encode("utf-8"))
+        else:
+            pieces.append(token.translate(to_latin1).encode("latin-1"))
 
     def same(ids: list[int]) -> bool:
         by_table = b"".join(pieces[token_id] for token_id in ids).decode("utf-8", errors="replace")
