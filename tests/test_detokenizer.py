@@ -322,3 +322,24 @@ def test_a_tokenizer_whose_decode_is_not_its_bytes_keeps_the_window_detokenizer(
 def test_which_detokenizer_a_tokenizer_gets_is_known_before_any_request():
     assert detokenizes_by_table(_hf_tokenizer()) and detokenizes_by_table(PresetByteTokenizer(PRESET_VOCAB))
     assert not detokenizes_by_table(ByteTokenizer())  # no piece table at all
+
+
+def test_an_engine_on_a_checkpoint_detokenizes_by_table_and_its_text_is_decode(tmp_path):
+    """A tiny random Llama saved with its byte-level BPE tokenizer (model vocabulary 320,
+    tokenizer 312: sampling reaches ids past the tokenizer): the engine's text, streamed by
+    table, is the tokenizer's decode of the same ids."""
+    from roseray.llm import LLM
+    from roseray.sampling_params import SamplingParams
+    from tests.hf_models import make_tiny_model
+
+    llm = LLM(str(make_tiny_model("llama", tmp_path / "llama")), device="cpu", num_kv_blocks=64)
+    assert llm.engine.detokenize_by_table
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True, skip_special_tokens=skip)
+              for seed in range(6) for skip in (True, False)]
+    outs = llm.generate(["héllo 日本"] * len(params), params, use_tqdm=False)
+    seen = set()
+    for out, p in zip(outs, params):
+        ids = out.outputs[0].token_ids
+        seen.update(ids)
+        assert out.outputs[0].text == llm.engine.tokenizer.hf.decode(ids, skip_special_tokens=p.skip_special_tokens)
+    assert max(seen) >= len(llm.engine.tokenizer.hf)  # an id past the tokenizer was among them
