@@ -22,7 +22,7 @@ import uvicorn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from http_vs_inprocess import _clients  # noqa: E402
+from http_vs_inprocess import _bursts  # noqa: E402
 
 from roseray.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from roseray.engine.engine import EngineStats  # noqa: E402
@@ -84,7 +84,11 @@ def main() -> None:
         while not server.started:
             time.sleep(0.1)
         r0 = resource.getrusage(resource.RUSAGE_SELF)
-        r = _clients(PORT, "random:gpt2", 128, 256, 1)
+        bursts = _bursts(PORT, "random:gpt2", 128, 256, 1, 1, None)  # one burst from one client process
+        try:
+            r = next(bursts)
+        finally:
+            bursts.close()
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         user, system = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
         per_token = 1e6 / r["completion_tokens"]

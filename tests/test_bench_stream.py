@@ -208,3 +208,17 @@ def test_the_load_generator_cost_script_measures_both_readers(monkeypatch, capsy
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("lines, asyncio") and lines[1].startswith("reads, ")
     assert all("us of CPU per event" in line for line in lines)
+
+
+def test_the_server_admission_cost_script_runs():
+    """scripts/server_admission_cost.py (and server_cpu_per_token.py, whose fake engine it
+    takes, and which takes http_vs_inprocess's client) still import and run: a burst of 4
+    (as a command: its client is a spawned process of the script's own)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "server_admission_cost.py"
+    done = subprocess.run([sys.executable, str(script), "--requests", "4", "--rounds", "1"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "4 streaming requests at once: server CPU" in done.stdout
