@@ -167,8 +167,9 @@ def byte_level_pieces(hf: PreTrainedTokenizerBase, skip_special_tokens: bool) ->
     to_latin1 = str.maketrans({char: chr(byte) for char, byte in byte_of.items()})  # then .encode("latin-1")
     outside = str.maketrans(dict.fromkeys(byte_of))  # what is left of a token outside the alphabet
     special = {token_id for token_id, token in hf.added_tokens_decoder.items() if token.special}
+    size = max(len(hf), max(hf.added_tokens_decoder, default=-1) + 1)  # an added token may sit past a gap
     pieces = []
-    for token_id, token in enumerate(hf.convert_ids_to_tokens(list(range(len(hf))))):
+    for token_id, token in enumerate(hf.convert_ids_to_tokens(list(range(size)))):
         if token is None or (skip_special_tokens and token_id in special):
             pieces.append(b"")
         elif token.translate(outside):  # not in the alphabet: its own UTF-8
