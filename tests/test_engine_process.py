@@ -263,3 +263,67 @@ def test_a_step_message_sends_a_single_token_bare_and_a_list_otherwise():
               RequestDelta("2", [], "", True, "abort", None, 1, 0, RequestSummary(0.0)),
               RequestDelta("3", [6, 7], "bc", False, None, None, 1, 2, None)]
     assert _loads(encode_step(deltas, [], None))[2] == [5, [], [6, 7]]
+
+
+def test_wake_ends_a_wait_for_the_next_step_message():
+    """The loop thread waits inside step() for the engine process's next step message; an
+    add or abort queued meanwhile wakes it (EngineProcessClient.wake, from another thread),
+    so the command reaches the child before its next step instead of after it. Repeated
+    wakes while one is pending cost nothing; wake after close is a no-op."""
+    import threading
+
+    client = EngineProcessClient(config(), poll_s=30.0)  # idle child: no step message would come
+    try:
+        returned = []
+        waiter = threading.Thread(target=lambda: returned.append(client.step()))
+        started = time.monotonic()
+        waiter.start()
+        time.sleep(0.2)
+        client.wake()
+        waiter.join(5)
+        assert not waiter.is_alive() and returned == [[]] and time.monotonic() - started < 5
+        assert not client._wake_pending  # the next wait can be woken again
+        client.wake()
+        client.wake()  # one is pending: no second byte
+        assert os.read(client._wake_r, 16) == b"\0"
+        os.write(client._wake_w, b"\0")  # put it back: the next wait returns at once
+        assert client.step() == [] and not client._wake_pending
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        client.add_request("w", [1, 2], params)
+        deltas = []
+        while client.has_unfinished_requests():
+            deltas += client.step()
+        assert [d.request_id for d in deltas if d.finished] == ["w"]
+    finally:
+        client.close()
+    client.wake()  # closed: nothing is written anywhere
+
+
+def test_the_async_engine_wakes_an_engine_waiting_for_a_step_on_every_command():
+    class WakeableEngine:
+        def __init__(self):
+            self.wakes = 0
+
+        def wake(self):
+            self.wakes += 1
+
+    engine = WakeableEngine()
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=4)
+    async_engine._signal()
+    assert engine.wakes == 1 and async_engine._wake.is_set()
+
+
+def test_the_queue_time_script_measures_both_ways(monkeypatch, capsys):
+    """scripts/queue_time_mid_step.py (the dev-box figures for wake() in BENCHMARKS.md) runs."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "queue_time_mid_step.py"
+    spec = importlib.util.spec_from_file_location("queue_time_mid_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["queue_time_mid_step.py", "--requests", "3", "--repeats", "1"])
+    module.main()
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["not woken", "woken"] and all("(3 requests)" in l for l in lines)

@@ -128,6 +128,8 @@ class AsyncLLMEngine:
         self.dead_error: BaseException | None = None
         # when the engine last made progress: an engine in another process says so itself
         self._heartbeat: Callable[[], float] = getattr(engine, "heartbeat", time.monotonic)
+        # ends an engine process client's wait for a step message (any thread may call it)
+        self._wake_engine: Callable[[], None] | None = getattr(engine, "wake", None)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, **kwargs) -> "AsyncLLMEngine":
@@ -191,7 +193,7 @@ class AsyncLLMEngine:
                 future.set_exception(error)
         else:
             self._commands.append(("call", fn, future))
-            self._wake.set()
+            self._signal()
         return asyncio.wrap_future(future)
 
     async def check_integrity(self, timeout_s: float = 30.0) -> dict[str, int]:
@@ -227,7 +229,7 @@ class AsyncLLMEngine:
         if self._state is not LoopState.DEAD:
             self._state = LoopState.STOPPED
         self._stop = True
-        self._wake.set()
+        self._signal()
 
     # ---- requests (asyncio side) -----------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
@@ -255,7 +257,7 @@ class AsyncLLMEngine:
         self._num_unacked += 1
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._commands.append(("add", request_id, prompt, sampling_params, arrival))
-        self._wake.set()
+        self._signal()
         try:
             await stream._admitted
         except BaseException:
@@ -268,7 +270,15 @@ class AsyncLLMEngine:
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None and self._state is not LoopState.DEAD:
             self._commands.append(("abort", request_id))
-            self._wake.set()
+            self._signal()
+
+    def _signal(self) -> None:
+        """A command is queued: wake the loop whether it sleeps idle (the event) or waits
+        inside an engine process's step for the next step message (`engine.wake`), so the
+        command reaches the engine before its next step instead of the one after."""
+        self._wake.set()
+        if self._wake_engine is not None:
+            self._wake_engine()
 
     # ---- hand-off (runs on the event loop) ----------------------------------------------------
     def _take_hand_offs(self) -> None:

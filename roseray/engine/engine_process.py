@@ -62,8 +62,10 @@ import gc
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 
@@ -393,7 +395,8 @@ class EngineProcessClient:
     """Starts the engine process and speaks for it: what AsyncLLMEngine's loop thread calls
     (`add_request`, `abort_request`, `step`, `has_unfinished_requests`, `get_stats`,
     `check_integrity`, `last_error`) plus what the server reads (`model_name`,
-    `max_model_len`, `config`, `tokenizer`). One thread (the async engine's loop) calls it.
+    `max_model_len`, `config`, `tokenizer`). One thread (the async engine's loop) calls it;
+    `wake()` may come from any thread.
 
     `EngineProcessClient(config)` spawns a child of its own; `connect(config, ...)` speaks
     over the pipes of a child that another process started for several clients (the
@@ -417,12 +420,22 @@ class EngineProcessClient:
         self._replies: dict[int, list] = {}
         self._next_call = 0
         self._closed = False
+        # wake(): a byte here ends step()'s wait for a step message (the loop has a command to send)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_pending = False  # a byte is on its way: one per wait is enough
+        self._wake_lock = threading.Lock()  # wake() against close(): never a write to a closed (reused) fd
         if pipe_fds is None:
             self._process, self._commands, self._outputs = self._spawn(config)
         else:  # a shared child: the process is not ours
             self._process = None
             self._commands = Connection(pipe_fds[0], readable=False)
             self._outputs = Connection(pipe_fds[1], writable=False)
+        self._outputs_fd = self._outputs.fileno()
+        self._poller = select.poll()  # step()'s wait: one poll(2) on both pipes
+        self._poller.register(self._outputs_fd, select.POLLIN)
+        self._poller.register(self._wake_r, select.POLLIN)
         info = self._wait_ready(start_timeout_s)
         self._prefix: str = info["client_prefix"]  # of this client's requests' ids in step messages
         self.model_name: str = info["model_name"]
@@ -488,17 +501,44 @@ class EngineProcessClient:
     def step(self) -> list[RequestDelta]:
         """Send the adds held back, then return every delta the engine process sent since
         the last call (several steps' worth when this side fell behind); [] when nothing
-        arrived within `poll_s`."""
+        arrived within `poll_s` or `wake()` was called meanwhile."""
         if self._adds:
             self._flush_adds()
         deltas, self._backlog = self._backlog, []
         outputs = self._outputs
-        if not deltas and not outputs.poll(self.poll_s):
-            self._check_alive()
-            return deltas
+        if not deltas:
+            ready = dict(self._poller.poll(self.poll_s * 1000))  # the output pipe or wake(), or the timeout
+            if self._wake_r in ready:
+                self._wake_pending = False  # before the read: a wake() after it writes again
+                self._drain_wake()
+            if self._outputs_fd not in ready:
+                self._check_alive()
+                return deltas
         while outputs.poll():
             self._read(deltas)
         return deltas
+
+    def wake(self) -> None:
+        """End a wait in step() now (from any thread): the async engine has a command for
+        the engine process (an add, an abort) that should reach it before its next step;
+        otherwise it would wait for this step's message, and miss the next step too."""
+        if self._wake_pending:
+            return
+        with self._wake_lock:
+            if self._closed:
+                return
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:  # the pipe is full: bytes are there already
+                pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def get_stats(self):
         if not self._requests:  # idle: the loop does not step, so read what a shared child sent meanwhile
@@ -543,6 +583,9 @@ class EngineProcessClient:
                 self._process.wait()
         self._commands.close()
         self._outputs.close()
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     # ---- internals ---------------------------------------------------------------------------
     def _flush_adds(self) -> None:
