@@ -69,6 +69,21 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         raise NotImplementedError
 
+    def piece_table(self, skip_special_tokens: bool = True) -> list[bytes] | None:
+        """Every token id's bytes, when decoding is their UTF-8 (the table detokenizer), else None."""
+        return None
+
+    def ascii_table(self, skip_special_tokens: bool = True) -> list[str | None]:
+        """The text of every token whose bytes are ASCII (None for the others); needs a piece table."""
+        cache = self.__dict__.setdefault("_ascii", {})
+        table = cache.get(skip_special_tokens)
+        if table is None:
+            pieces = self.piece_table(skip_special_tokens)
+            if pieces is None:
+                raise ValueError(f"{self.name}: no piece table (decode is not its tokens' bytes joined)")
+            table = cache[skip_special_tokens] = ascii_of(pieces)
+        return table
+
 
 class ByteTokenizer(Tokenizer):
     SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids vocab-1, vocab-2, vocab-3
@@ -84,7 +99,6 @@ class ByteTokenizer(Tokenizer):
         self.all_special_ids = sorted(self.special_ids.values())
         self._special_pattern = re.compile("(" + "|".join(map(re.escape, self.SPECIAL_TOKENS)) + ")")
         self._pieces: dict[bool, list[bytes]] = {}
-        self._ascii: dict[bool, list[str | None]] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """UTF-8 bytes, with special-token strings mapped to their ids. Adds no BOS (like Qwen
@@ -107,13 +121,6 @@ class ByteTokenizer(Tokenizer):
             for token_id, text in self.special_text.items():
                 table[token_id] = b"" if skip_special_tokens else text
             self._pieces[skip_special_tokens] = table
-        return table
-
-    def ascii_table(self, skip_special_tokens: bool = True) -> list[str | None]:
-        """The text of every token whose bytes are ASCII (None for the others)."""
-        table = self._ascii.get(skip_special_tokens)
-        if table is None:
-            table = self._ascii[skip_special_tokens] = ascii_of(self.piece_table(skip_special_tokens))
         return table
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -207,23 +214,12 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = len(hf)
         self.all_special_ids = list(hf.all_special_ids)
         self._pieces: dict[bool, list[bytes] | None] = {}
-        self._ascii: dict[bool, list[str | None]] = {}
 
     def piece_table(self, skip_special_tokens: bool = True) -> list[bytes] | None:
         """Every token's bytes, when decoding is their UTF-8 (byte_level_pieces), else None."""
         if skip_special_tokens not in self._pieces:
             self._pieces[skip_special_tokens] = byte_level_pieces(self.hf, skip_special_tokens)
         return self._pieces[skip_special_tokens]
-
-    def ascii_table(self, skip_special_tokens: bool = True) -> list[str | None]:
-        """The text of every token whose bytes are ASCII (None for the others); needs a piece table."""
-        table = self._ascii.get(skip_special_tokens)
-        if table is None:
-            pieces = self.piece_table(skip_special_tokens)
-            if pieces is None:
-                raise ValueError(f"{self.name}: no piece table (decode is not its tokens' bytes joined)")
-            table = self._ascii[skip_special_tokens] = ascii_of(pieces)
-        return table
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)

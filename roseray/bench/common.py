@@ -49,15 +49,22 @@ ENGINE_TIME_METRICS = ("roseray:engine_steps_total", "roseray:engine_step_second
                        "roseray:engine_output_seconds_total")
 
 
+def metric_totals(text: str, names) -> dict[str, float]:
+    """Each metric of `names` on a /metrics page, summed over its label sets; a name the
+    page lacks is left out."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        name = head.split("{", 1)[0]
+        if name in names:
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
 def engine_time_from_metrics(text: str) -> tuple[float, float, float] | None:
     """(steps, seconds in steps, seconds sending outputs) from a /metrics page, or None."""
-    values = []
-    for name in ENGINE_TIME_METRICS:
-        found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
-        if not found:
-            return None
-        values.append(found[0])
-    return tuple(values)
+    totals = metric_totals(text, ENGINE_TIME_METRICS)
+    return tuple(totals[name] for name in ENGINE_TIME_METRICS) if len(totals) == len(ENGINE_TIME_METRICS) else None
 
 
 def engine_time_split(before, after) -> dict:
@@ -77,15 +84,9 @@ SERVER_TIME_METRICS = ("roseray:time_to_first_token_seconds", "roseray:request_q
 def histogram_totals(text: str, names=SERVER_TIME_METRICS) -> dict[str, tuple[float, float]]:
     """{name: (sum, count)} of each histogram `names` on a /metrics page, over all its
     label sets; a name the page lacks is left out."""
-    totals: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        metric = head.split("{", 1)[0]
-        for suffix, slot in (("_sum", 0), ("_count", 1)):
-            name = metric[:-len(suffix)]
-            if metric.endswith(suffix) and name in names:
-                totals.setdefault(name, [0.0, 0.0])[slot] += float(value)
-    return {name: (total[0], total[1]) for name, total in totals.items()}
+    totals = metric_totals(text, {name + suffix for name in names for suffix in ("_sum", "_count")})
+    return {name: (totals[name + "_sum"], totals[name + "_count"]) for name in names
+            if name + "_sum" in totals and name + "_count" in totals}
 
 
 def server_time_split(before: dict, after: dict) -> dict:

@@ -505,18 +505,23 @@ class EngineProcessClient:
         if self._adds:
             self._flush_adds()
         deltas, self._backlog = self._backlog, []
-        outputs = self._outputs
-        if not deltas:
-            ready = dict(self._poller.poll(self.poll_s * 1000))  # the output pipe or wake(), or the timeout
-            if self._wake_r in ready:
-                self._wake_pending = False  # before the read: a wake() after it writes again
-                self._drain_wake()
-            if self._outputs_fd not in ready:
+        if not self._readable(0 if deltas else self.poll_s * 1000):
+            if not deltas:
                 self._check_alive()
-                return deltas
-        while outputs.poll():
+            return deltas
+        self._read(deltas)
+        while self._readable(0):
             self._read(deltas)
         return deltas
+
+    def _readable(self, timeout_ms: float) -> bool:
+        """Whether the output pipe has a message (or its end), waiting up to `timeout_ms`
+        for it or a wake(): one poll(2) on both pipes (a wake is taken here)."""
+        ready = dict(self._poller.poll(timeout_ms))
+        if self._wake_r in ready:
+            self._wake_pending = False  # before the read: a wake() after it writes again
+            self._drain_wake()
+        return self._outputs_fd in ready
 
     def wake(self) -> None:
         """End a wait in step() now (from any thread): the async engine has a command for
