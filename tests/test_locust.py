@@ -324,7 +324,7 @@ def test_locust_measures_true_gaps_and_reports_every_failure(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        run = LocustRun(f"http://127.0.0.1:{server.server_address[1]}", tmp_path, "-u", "8", "-r", "8", "-t", "3s",
+        run = LocustRun(f"http://127.0.0.1:{server.server_address[1]}", tmp_path, "-u", "8", "-r", "8", "-t", "4s",
                         "--request-rate", "8", "--output-tokens", "4:8", "--prompt-tokens", "4").wait()
     finally:
         server.shutdown()
