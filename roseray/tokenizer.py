@@ -20,7 +20,7 @@ import logging
 import random
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -35,6 +35,7 @@ _PRINTABLE_FIRST, _NUM_PRINTABLE = 32, 95  # ' ' .. '~'
 # tokenization-space clean-up would change
 _CHECK_SEQUENCES, _CHECK_MAX_LEN = 300, 12
 _CLEAN_UP_PROBE = "a . b , c ! d ? e 's f n't g 're h 've i 'm j 'll k 'd"
+_UNKNOWN = object()
 
 
 def default_chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -63,11 +64,19 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, clean_up_spaces: bool = True) -> str:
+        """The text of `token_ids`; `clean_up_spaces=False` leaves out `space_clean_up()`."""
         raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         raise NotImplementedError
+
+    def space_clean_up(self) -> Callable[[str], str] | None:
+        """The space clean-up that `decode` applies to its whole text last (Hugging Face's
+        clean_up_tokenization: " ." -> ".", " n't" -> "n't", ...), when it applies one whose
+        patterns each start with a space and span at most 4 characters (detokenizer.SpaceCleanUp
+        streams exactly that kind); else None."""
+        return None
 
     def piece_table(self, skip_special_tokens: bool = True) -> list[bytes] | None:
         """Every token id's bytes, when decoding is their UTF-8 (the table detokenizer), else None."""
@@ -123,8 +132,8 @@ class ByteTokenizer(Tokenizer):
             self._pieces[skip_special_tokens] = table
         return table
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        out = bytearray()
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, clean_up_spaces: bool = True) -> str:
+        out = bytearray()  # no space clean-up to leave out
         for token_id in token_ids:
             if 0 <= token_id < 256:
                 out.append(token_id)
@@ -214,6 +223,7 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = len(hf)
         self.all_special_ids = list(hf.all_special_ids)
         self._pieces: dict[bool, list[bytes] | None] = {}
+        self._clean_up: Callable[[str], str] | None | object = _UNKNOWN  # space_clean_up(), once checked
 
     def piece_table(self, skip_special_tokens: bool = True) -> list[bytes] | None:
         """Every token's bytes, when decoding is their UTF-8 (byte_level_pieces), else None."""
@@ -224,8 +234,25 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, clean_up_spaces: bool = True) -> str:
+        if clean_up_spaces:
+            return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def space_clean_up(self) -> Callable[[str], str] | None:
+        """`hf.clean_up_tokenization` when `decode` applies it (checked on a text it would change:
+        transformers skips it for BPE tokenizers unless forced) and it is transformers' own;
+        a tokenizer class's own clean-up is not streamed (text around its spaces may then
+        differ from `decode`: logged once)."""
+        if self._clean_up is _UNKNOWN:
+            probe = self.hf.encode(_CLEAN_UP_PROBE, add_special_tokens=False)
+            applied = self.decode(probe) != self.decode(probe, clean_up_spaces=False)
+            standard = type(self.hf).clean_up_tokenization is PreTrainedTokenizerBase.clean_up_tokenization
+            if applied and not standard:
+                logger.warning("%s: decode applies the tokenizer's own space clean-up; streamed text may differ "
+                               "from decode around spaces", type(self.hf).__name__)
+            self._clean_up = self.hf.clean_up_tokenization if applied and standard else None
+        return self._clean_up
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.hf.chat_template:

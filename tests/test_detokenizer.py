@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roseray.engine.detokenizer import (ByteDetokenizer, IncrementalDetokenizer, detokenizes_by_table, find_stop_string,
-                                       make_detokenizer)
+from roseray.engine.detokenizer import (ByteDetokenizer, IncrementalDetokenizer, SpaceCleanUp, detokenizes_by_table,
+                                       find_stop_string, last_safe_cut, make_detokenizer,
+                                       prepare_detokenization)
 from roseray.tokenizer import ByteTokenizer as PresetByteTokenizer
 
 SPECIAL_ID = 256  # the toy tokenizer's one special token
@@ -319,9 +320,106 @@ def test_a_tokenizer_whose_decode_is_not_its_bytes_keeps_the_window_detokenizer(
         assert hf.decode(tokenizer.encode("ok . fox")) == "ok. fox"  # the clean-up is in force here
 
 
+# ---- tokenizers whose decode cleans up spaces (" ." -> "."): the clean-up streamed ----------------
+_CLEAN_UP_CHARS = " .,!?'nmtsrevax"
+
+
+def _clean_up(text: str) -> str:
+    from transformers import PreTrainedTokenizerBase
+
+    return PreTrainedTokenizerBase.clean_up_tokenization(None, text)  # transformers' own, as decode applies it
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(alphabet=_CLEAN_UP_CHARS, max_size=40), st.randoms(use_true_random=False))
+def test_the_space_clean_up_streamed_in_any_pieces_equals_it_on_the_whole(text, rng):
+    """Chains of the patterns (" ' " then " 's", " ' ." where " ." goes first, runs of spaces)
+    cut anywhere: the cleaned pieces join to the clean-up of the whole."""
+    spaces, pieces, start = SpaceCleanUp(_clean_up), [], 0
+    while start < len(text):
+        size = rng.randint(1, 4)
+        pieces.append(spaces.push(text[start:start + size]))
+        start += size
+    assert "".join(pieces) + spaces.flush() == _clean_up(text)
+
+
+def test_last_safe_cut_has_no_space_among_the_three_characters_before_it():
+    assert last_safe_cut("") == 0 and last_safe_cut("abc") == 3 and last_safe_cut("a bcd") == 5
+    assert last_safe_cut("ab c") == 2  # " c" is held: the space is among the 3 before any later cut
+    assert last_safe_cut("abcd 'm") == 4 and last_safe_cut(" ' ") == 0
+
+
+def _hf_unigram_clean_up():
+    """A SentencePiece-like Unigram tokenizer (Metaspace) trained here, whose decode cleans up
+    spaces (transformers applies the clean-up to it, unlike to BPE)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    backend = Tokenizer(models.Unigram())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    corpus = [" ".join(rng.choice(_HF_WORDS) for _ in range(30)) for _ in range(300)]
+    backend.train_from_iterator(corpus, trainers.UnigramTrainer(
+        vocab_size=120, special_tokens=["<unk>", "</s>"], unk_token="<unk>", show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=True)
+
+
+@pytest.fixture(scope="module", params=["byte_level_forced", "unigram"])
+def clean_up_tokenizer(request):
+    from roseray.tokenizer import HFTokenizer
+
+    hf = _hf_byte_level(clean_up=True) if request.param == "byte_level_forced" else _hf_unigram_clean_up()
+    return HFTokenizer(hf, request.param)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_streams_exactly_its_decode(clean_up_tokenizer):
+    """Text with the clean-up's patterns, and random ids, streamed in random chunks and token by
+    token: the text is `decode` of the ids, clean-up and all (300 of 300 differed before)."""
+    tokenizer, rng = clean_up_tokenizer, random.Random(3)
+    assert prepare_detokenization(tokenizer) == "by windowed decode calls, space clean-up streamed"
+    words = ["the", "fox", "ok", "'s", "n't", ".", ",", "!", "?", "'", "'m", "'re", "'ve", " ", "日本語"]
+    size = len(tokenizer.hf)
+    for _ in range(150):
+        ids = tokenizer.encode(rng.choice(["", " "]) + " ".join(rng.choice(words) for _ in range(10)),
+                               add_special_tokens=False)
+        ids += [rng.randrange(size) for _ in range(rng.randint(0, 6))]
+        skip = rng.random() < 0.5
+        expected = tokenizer.hf.decode(ids, skip_special_tokens=skip)
+        detok = make_detokenizer(tokenizer, [], skip)  # no prompt: decode(ids) strips a Metaspace start
+        assert isinstance(detok, IncrementalDetokenizer)
+        text = "".join(detok.step(chunk) for chunk in split_randomly(ids, rng)) + detok.flush()
+        assert text == detok.output_text == expected, ids
+        one_by_one = make_detokenizer(tokenizer, [], skip)
+        assert "".join(one_by_one.step_token(t) for t in ids) + one_by_one.flush() == expected, ids
+
+
+def test_a_tokenizer_that_does_not_clean_up_or_has_its_own_clean_up_streams_no_clean_up(caplog):
+    from transformers import PreTrainedTokenizerFast
+
+    from roseray.tokenizer import HFTokenizer
+
+    assert _hf_tokenizer().space_clean_up() is None  # decode's text is its bytes: nothing to clean
+    assert HFTokenizer(_hf_byte_level(clean_up=False), "plain").space_clean_up() is None
+
+    class OwnCleanUp(PreTrainedTokenizerFast):
+        def clean_up_tokenization(self, text: str) -> str:
+            return text.replace(" .", ".!")  # not transformers' clean-up: not streamed
+
+    hf = _hf_unigram_clean_up()
+    own = OwnCleanUp(tokenizer_object=hf.backend_tokenizer, eos_token="</s>", unk_token="<unk>",
+                     clean_up_tokenization_spaces=True)
+    with caplog.at_level("WARNING", logger="roseray.tokenizer"):
+        assert HFTokenizer(own, "own").space_clean_up() is None
+    assert "own space clean-up" in caplog.text
+
+
 def test_which_detokenizer_a_tokenizer_gets_is_known_before_any_request():
     assert detokenizes_by_table(_hf_tokenizer()) and detokenizes_by_table(PresetByteTokenizer(PRESET_VOCAB))
     assert not detokenizes_by_table(ByteTokenizer())  # no piece table at all
+    assert prepare_detokenization(_hf_tokenizer()) == "by table"
+    assert prepare_detokenization(ByteTokenizer()) == "by windowed decode calls"
 
 
 def test_an_engine_on_a_checkpoint_detokenizes_by_table_and_its_text_is_decode(tmp_path):
@@ -333,7 +431,7 @@ def test_an_engine_on_a_checkpoint_detokenizes_by_table_and_its_text_is_decode(t
     from tests.hf_models import make_tiny_model
 
     llm = LLM(str(make_tiny_model("llama", tmp_path / "llama")), device="cpu", num_kv_blocks=64)
-    assert llm.engine.detokenize_by_table
+    assert llm.engine.detokenization == "by table"
     params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True, skip_special_tokens=skip)
               for seed in range(6) for skip in (True, False)]
     outs = llm.generate(["héllo 日本"] * len(params), params, use_tqdm=False)
@@ -343,3 +441,22 @@ def test_an_engine_on_a_checkpoint_detokenizes_by_table_and_its_text_is_decode(t
         seen.update(ids)
         assert out.outputs[0].text == llm.engine.tokenizer.hf.decode(ids, skip_special_tokens=p.skip_special_tokens)
     assert max(seen) >= len(llm.engine.tokenizer.hf)  # an id past the tokenizer was among them
+
+
+def test_an_engine_whose_tokenizer_cleans_up_spaces_writes_its_decode(tmp_path):
+    """The same tiny Llama with the Unigram tokenizer above (30 ids, the rest of the model's 320
+    give no text): the engine streams the clean-up, and its text is decode's (the property
+    tests above cover the clean-up's patterns, which random sampling seldom writes)."""
+    from roseray.llm import LLM
+    from roseray.sampling_params import SamplingParams
+    from tests.hf_models import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "llama")
+    _hf_unigram_clean_up().save_pretrained(path)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=128)
+    assert llm.engine.detokenization == "by windowed decode calls, space clean-up streamed"
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=110, ignore_eos=True) for seed in range(6)]
+    outs = llm.generate(["ok . fox 's"] * len(params), params, use_tqdm=False)
+    hf = llm.engine.tokenizer.hf
+    assert [out.outputs[0].text for out in outs] == [hf.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+                                                     for out in outs]

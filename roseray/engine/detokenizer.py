@@ -8,13 +8,14 @@ window of recent token ids twice, with and without the new ones, and taking the 
 tokens back keeps the tokenizer's word-boundary handling (leading spaces, merged bytes) the
 same as a full decode, and the cost per token stays O(window), not O(length). While the
 decoded tail ends with U+FFFD, a multi-byte character is still incomplete and nothing is
-released.
+released. When `decode` cleans up spaces last (" ." -> "."), the windows are decoded without
+it and SpaceCleanUp applies it to the released text as it streams.
 """
 
 from __future__ import annotations
 
 import codecs
-from typing import Protocol
+from typing import Callable, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the first output token
@@ -24,6 +25,46 @@ KEEP_HELD_TOKENS = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 to
 
 class Decoder(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class SpaceCleanUp:
+    """A space clean-up that `decode` applies to its whole text (Hugging Face's
+    clean_up_tokenization: " ." -> ".", " 's" -> "'s", " n't" -> "n't", ...), applied to
+    streamed text with exactly the same result.
+
+    The clean-up is a chain of replacements whose patterns each start with a space and span at
+    most 4 characters, and it only deletes spaces. So no match, at any stage of the chain, can
+    reach across a cut that has no space among the 3 characters before it: the clean-up of
+    the whole is the clean-ups of the parts between such cuts, joined. `push` releases the
+    cleaned text up to the last such cut and keeps the rest for later; `flush` releases it all.
+    """
+
+    __slots__ = ("_clean_up", "_pending")
+
+    def __init__(self, clean_up: Callable[[str], str]) -> None:
+        self._clean_up = clean_up
+        self._pending = ""
+
+    def push(self, text: str) -> str:
+        pending = self._pending + text
+        cut = last_safe_cut(pending)
+        self._pending = pending[cut:]
+        return self._clean_up(pending[:cut]) if cut else ""
+
+    def flush(self) -> str:
+        text, self._pending = self._clean_up(self._pending), ""
+        return text
+
+
+def last_safe_cut(text: str) -> int:
+    """The largest cut of `text` (0..len) with no space among the 3 characters before it
+    (text before `text` was released at such a cut: it adds none)."""
+    end = len(text)
+    while True:
+        space = text.rfind(" ", 0, end)
+        if space < 0 or end - space > 3:
+            return end
+        end = space
 
 
 class IncrementalDetokenizer:
@@ -36,7 +77,11 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        clean_up = getattr(tokenizer, "space_clean_up", lambda: None)()
+        self._spaces = SpaceCleanUp(clean_up) if clean_up is not None else None  # windows decode without it
+        self._decode_options = {"skip_special_tokens": skip_special_tokens}
+        if self._spaces is not None:
+            self._decode_options["clean_up_spaces"] = False
         # The window: token ids from the start of the last released chunk (context) to the end.
         self._window_ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._read_offset = len(self._window_ids)  # window ids before this are already released
@@ -72,15 +117,20 @@ class IncrementalDetokenizer:
         """Release whatever is held back; call once when the request finishes."""
         window_text = self._decode(self._window_ids)
         context_text = self._decoded_context()
-        if len(window_text) <= len(context_text):
-            return ""
-        return self._release(window_text[len(context_text):])
+        text = self._release(window_text[len(context_text):]) if len(window_text) > len(context_text) else ""
+        if self._spaces is not None:
+            held = self._spaces.flush()
+            self.output_text += held
+            text += held
+        return text
 
     def _release(self, new_text: str, upto: int | None = None) -> str:
         # The chunk just released (window ids up to `upto`) becomes the next context.
         upto = len(self._window_ids) if upto is None else upto
         self._window_ids, self._read_offset = self._window_ids[self._read_offset:], upto - self._read_offset
         self._context_text = None
+        if self._spaces is not None:
+            new_text = self._spaces.push(new_text)
         self.output_text += new_text
         return new_text
 
@@ -90,7 +140,7 @@ class IncrementalDetokenizer:
         return self._context_text
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(token_ids, **self._decode_options)
 
 
 class ByteDetokenizer:
@@ -150,6 +200,18 @@ def detokenizes_by_table(tokenizer, skip_special_tokens: bool = True) -> bool:
     now: a 150k vocabulary takes a fraction of a second, better spent before any request)."""
     piece_table = getattr(tokenizer, "piece_table", None)
     return piece_table is not None and piece_table(skip_special_tokens) is not None
+
+
+def prepare_detokenization(tokenizer) -> str:
+    """Builds now what make_detokenizer will use for `tokenizer` (its piece tables, skipping
+    special tokens or not: ~0.3 s for a 150k vocabulary, which would stall a step; its space
+    clean-up check) and says how its requests are detokenized (for the startup log)."""
+    by_table = detokenizes_by_table(tokenizer)
+    detokenizes_by_table(tokenizer, skip_special_tokens=False)
+    if by_table:
+        return "by table"
+    clean_up = getattr(tokenizer, "space_clean_up", lambda: None)()
+    return "by windowed decode calls" + (", space clean-up streamed" if clean_up is not None else "")
 
 
 def make_detokenizer(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):

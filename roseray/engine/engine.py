@@ -14,7 +14,7 @@ import torch
 
 from roseray.config import EngineConfig
 from roseray.engine.block_manager import BlockManager
-from roseray.engine.detokenizer import detokenizes_by_table, find_stop_string, make_detokenizer
+from roseray.engine.detokenizer import find_stop_string, make_detokenizer, prepare_detokenization
 from roseray.engine.model_runner import ModelRunner
 from roseray.engine.request import FINISH_REASONS, PLACEHOLDER, Request, RequestDelta, RequestLimits, RequestStatus
 from roseray.engine.sampler import Sampler
@@ -72,10 +72,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.model_name = config.model
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_config)
-        # the detokenizer's tables (tokenizer.piece_table), built now rather than by the first request
-        # (for a 150k vocabulary ~0.3 s, which would stall a step): skipping special tokens or not
-        self.detokenize_by_table = detokenizes_by_table(self.tokenizer)
-        detokenizes_by_table(self.tokenizer, skip_special_tokens=False)
+        self.detokenization = prepare_detokenization(self.tokenizer)  # now, not in the first request's step
         model = load_model(self.model_config, config.model, self.device, self.dtype, seed=config.seed)
         self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.max_num_seqs,
@@ -122,7 +119,7 @@ class LLMEngine:
                     "detokenizing %s", self.model_name, mc.hf_architecture or mc.architecture, mc.num_hidden_layers,
                     mc.hidden_size, mc.vocab_size, str(self.dtype).removeprefix("torch."), self.device,
                     self.runner.backend.name, seconds,
-                    "by table" if self.detokenize_by_table else "by windowed decode calls")
+                    self.detokenization)
         logger.info("KV cache: %d blocks x %d = %d tokens (%.2f GiB); max concurrency at max_model_len %d: %.2fx; "
                     "max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s, CUDA graphs %s",
                     self.runner.num_blocks, self.config.block_size, capacity, gib, self.max_model_len,
