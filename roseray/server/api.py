@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
+import secrets
 import time
-import uuid
 from typing import Callable, Sequence
 
 from fastapi import FastAPI, Request
@@ -41,6 +42,13 @@ from roseray.server.responses import SSE_DONE, ResponseBuilder, TokenText, sse_e
 from roseray.server.sse_writer import EngineSSEResponse, until_disconnect
 
 logger = logging.getLogger(__name__)
+
+# FastAPI 0.16x asks OpenTelemetry's three global providers whether to trace, on every request
+# (~4% of the samples of admitting streamed requests in a py-spy profile, though within the noise
+# of scripts/server_admission_cost.py); roseray's metrics are its own Prometheus ones. Older
+# FastAPI has no such option.
+NO_FASTAPI_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                        if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 
 REPLICA_HEADER = "x-roseray-replica"
 RETRY_AFTER_UNAVAILABLE_S = 1  # a draining or starting replica: another replica (or this one, soon) will answer
@@ -182,7 +190,7 @@ class OpenAIServer:
         prompt_ids, params = self._prepare(body)
         self._check_length(body, prompt_ids)
         is_chat = isinstance(body, ChatCompletionRequest)
-        request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{secrets.token_hex(16)}"
         arrival = time.monotonic()
         if self.log_prompts:
             logger.info("request %s prompt (%d tokens): %r", request_id, len(prompt_ids),
@@ -302,7 +310,8 @@ def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_
             publisher.cancel()  # publishes once more on the way out
             await asyncio.gather(publisher, return_exceptions=True)
 
-    app = FastAPI(title="roseray", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="roseray", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  **NO_FASTAPI_TELEMETRY)
     app.state.server = server
     install_error_handlers(app)
     install_openapi(app)

@@ -139,6 +139,12 @@ class SSEWriter:
         self._stream.close()  # aborts the request if it still runs
         self._finish()
 
+    def on_disconnect(self, until_disconnect: asyncio.Future) -> None:
+        """`until_disconnect` ended: the client is gone, unless the stream ended first (the
+        task is then cancelled, or ends because the response is complete)."""
+        if not self.done.done() and not until_disconnect.cancelled():
+            self.abandon()
+
     def _finish(self) -> None:
         if not self.done.done():
             self.done.set_result(None)
@@ -173,9 +179,10 @@ class EngineSSEResponse(Response):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             self.stream.attach(writer.on_delta, writer.on_error, writer.flush)
             disconnect = asyncio.ensure_future(until_disconnect(receive))
-            await asyncio.wait((writer.done, disconnect), return_when=asyncio.FIRST_COMPLETED)
-            if not writer.done.done():  # the client went away first
-                writer.abandon()
+            # the client going away first abandons the writer, which ends `done` (a callback, not
+            # asyncio.wait's waiter and callbacks on both: this runs once per streamed request)
+            disconnect.add_done_callback(writer.on_disconnect)
+            await writer.done
             await writer.wait_sent()
         finally:
             if disconnect is not None:
