@@ -282,6 +282,8 @@ def _engine_text(run: dict) -> str:
                  f"before the API process + {run['server_ttft_mean_ms']:.1f} in it (queued "
                  f"{run.get('server_queue_mean_ms', float('nan')):.1f}); sends spread over "
                  f"{run['send_spread_ms']:.1f} ms")
+    if "message_delay_mean_ms" in run:  # a GIL-starved or lagging engine-client thread reads late
+        text += f"; step messages read {run['message_delay_mean_ms']:.2f} ms after sending"
     if "engine_step_us" in run:
         text += (f"; engine step {run['engine_step_us']:.0f} us + output {run['engine_output_us']:.0f} us "
                  f"({run['engine_steps']} steps)")

@@ -169,6 +169,10 @@ def test_metrics_count_every_request_whichever_process_answers(server):
     steps = metric(response.text, "roseray:engine_steps_total")
     step_s, output_s = (metric(response.text, f"roseray:engine_{part}_seconds_total") for part in ("step", "output"))
     assert steps >= 5 * 3 and 0.0 < step_s and 0.0 < output_s < step_s, (steps, step_s, output_s)
+    # and how late the two processes read its step messages: both processes' counts summed
+    delays = metric(response.text, "roseray:engine_message_delay_seconds_count")
+    delay_s = metric(response.text, "roseray:engine_message_delay_seconds_sum")
+    assert steps <= delays and 0.0 < delay_s < delays * 1.0, (steps, delays, delay_s)
 
 
 def test_a_client_gone_mid_stream_frees_its_kv_blocks(server):

@@ -151,13 +151,17 @@ def test_server_request_times_are_read_from_histograms_and_averaged_per_burst():
                 f'roseray:time_to_first_token_seconds_created{{model_name="m"}} 1.7e9\n'
                 f'roseray:request_queue_time_seconds_sum{{model_name="m"}} {queue_sum}\n'
                 f'roseray:request_queue_time_seconds_count{{model_name="m"}} {ttft_count}\n'
-                'roseray:e2e_request_latency_seconds_sum{model_name="m"} 9.0\n')
+                'roseray:e2e_request_latency_seconds_sum{model_name="m"} 9.0\n'
+                f'roseray:engine_message_delay_seconds_sum{{model_name="m"}} {ttft_count * 1e-4}\n'
+                f'roseray:engine_message_delay_seconds_count{{model_name="m"}} {ttft_count * 2}\n')
 
     before, after = histogram_totals(page(0.5, 10, 0.1)), histogram_totals(page(0.9, 18, 0.14))
     assert before == {"roseray:time_to_first_token_seconds": (0.5, 10.0),
-                      "roseray:request_queue_time_seconds": (0.1, 10.0)}  # the others left out
+                      "roseray:request_queue_time_seconds": (0.1, 10.0),
+                      "roseray:engine_message_delay_seconds": (pytest.approx(1e-3), 20.0)}  # the others left out
     split = server_time_split(before, after)
     assert split["server_ttft_mean_ms"] == pytest.approx(50.0) and split["server_queue_mean_ms"] == pytest.approx(5.0)
+    assert split["message_delay_mean_ms"] == pytest.approx(0.05)  # 0.8 ms over 16 messages
     assert server_time_split(after, after) == {} and server_time_split({}, after) == {}
     assert histogram_totals("") == {}
 

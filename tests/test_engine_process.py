@@ -222,8 +222,9 @@ def test_a_request_the_engine_process_cannot_take_finishes_with_an_error():
     sent = []
     stop = _apply(RefusingEngine(), ["add", [["7", [1, 2], {"max_tokens": 4}, 0.0]]], sent.append)
     assert not stop and len(sent) == 1
-    kind, handles, token_ids, texts, num_outputs, extras, stats, error = _loads(sent[0])
+    kind, handles, token_ids, texts, num_outputs, extras, stats, error, sent_at = _loads(sent[0])
     assert (kind, handles, token_ids, texts, num_outputs, error) == ("step", ["7"], [[]], [""], [0], None)
+    assert 0 <= time.monotonic() - sent_at < 5  # the child's time.monotonic(), one clock per host
     assert extras == [[0, True, "error", None, [None, 0, None]]] and stats[3] == 8
     assert _loads(encode_step([], stats, None))[0] == "step"
 

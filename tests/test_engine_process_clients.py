@@ -46,7 +46,7 @@ class Pipes:
             messages.append(message)
             if message[0] != "step":
                 continue
-            _, names, token_ids, _, _, extras, _, _ = message
+            _, names, token_ids, _, _, extras, _, _, _ = message
             for name, tokens in zip(names, token_ids):
                 if name in outputs:
                     outputs[name]["tokens"] += tokens if isinstance(tokens, list) else [tokens]

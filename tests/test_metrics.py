@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from roseray.server.metrics import TokenGapHistogram
+from roseray.server.metrics import BisectHistogram
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.1, 1.0)
 
@@ -14,7 +14,7 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.1, 1.0)
                 max_size=30))
 def test_token_gap_histogram_matches_prometheus_client(observations):
     ours_registry, reference_registry = CollectorRegistry(), CollectorRegistry()
-    ours = TokenGapHistogram("itl_seconds", "gaps", "m", BUCKETS)
+    ours = BisectHistogram("itl_seconds", "gaps", "m", BUCKETS)
     ours_registry.register(ours)
     reference = Histogram("itl_seconds", "gaps", ["model_name"], buckets=BUCKETS,
                           registry=reference_registry).labels("m")

@@ -77,8 +77,10 @@ def engine_time_split(before, after) -> dict:
             "engine_output_us": (after[2] - before[2]) / steps * 1e6}
 
 
-# the server's request histograms whose means split a client's time to first token
-SERVER_TIME_METRICS = ("roseray:time_to_first_token_seconds", "roseray:request_queue_time_seconds")
+# the server's histograms whose means split a client's time to first token, and how late its
+# API processes read the engine's step messages
+SERVER_TIME_METRICS = ("roseray:time_to_first_token_seconds", "roseray:request_queue_time_seconds",
+                       "roseray:engine_message_delay_seconds")
 
 
 def histogram_totals(text: str, names=SERVER_TIME_METRICS) -> dict[str, tuple[float, float]]:
@@ -91,9 +93,11 @@ def histogram_totals(text: str, names=SERVER_TIME_METRICS) -> dict[str, tuple[fl
 
 def server_time_split(before: dict, after: dict) -> dict:
     """The mean time to first token and queue time, in ms, of the requests the server
-    finished between two histogram_totals readings (empty where it finished none)."""
+    finished between two histogram_totals readings, and the mean delay of the engine
+    messages read meanwhile (each left out where there was none)."""
     found = {}
-    for name, key in zip(SERVER_TIME_METRICS, ("server_ttft_mean_ms", "server_queue_mean_ms")):
+    for name, key in zip(SERVER_TIME_METRICS, ("server_ttft_mean_ms", "server_queue_mean_ms",
+                                               "message_delay_mean_ms")):
         if name in before and name in after and after[name][1] > before[name][1]:
             found[key] = (after[name][0] - before[name][0]) / (after[name][1] - before[name][1]) * 1e3
     return found

@@ -14,7 +14,7 @@ multiprocessing start-method magic, no pickle: every message is a JSON list fram
     client -> engine   ["add", [[handle, token_ids, sampling_params, arrival_time], ...]]
                        ["abort", handle]  ["check_integrity", call_id]  ["stop"]
     engine -> client   ["ready", info] | ["failed", error_type, message]      (once, at start)
-                       ["step", names, token_ids, texts, num_outputs, extras, stats, error]
+                       ["step", names, token_ids, texts, num_outputs, extras, stats, error, sent_at]
                                                           (after every step with requests)
                        ["reply", call_id, error_message_or_null, stats]
 
@@ -68,6 +68,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection, wait
+from typing import Callable
 
 from roseray.config import EngineConfig
 from roseray.engine.engine import EngineStats, LLMEngine
@@ -139,7 +140,7 @@ def encode_step(deltas: list[RequestDelta], stats: list, error: str | None, extr
     tokens = [d.new_token_ids[0] if len(d.new_token_ids) == 1 else d.new_token_ids for d in deltas]
     return _dumps(["step", [d.request_id for d in deltas], tokens,
                     [d.new_text for d in deltas], [d.num_output_tokens for d in deltas], extras, stats,
-                    error])
+                    error, time.monotonic()])  # when it was sent: the client's on_message_delay
 
 
 def _new_error(engine, reported: BaseException | None) -> tuple[str | None, BaseException | None]:
@@ -417,6 +418,10 @@ class EngineProcessClient:
         self._adds: list[list] = []  # adds not sent yet: they go as one message (`_flush_adds`)
         self._stats = None
         self._last_message = time.monotonic()
+        # called with the seconds from the engine process sending each step message to this client
+        # reading it (one time.monotonic() clock for all processes of a host): a client thread that
+        # waits for the GIL while its event loop admits a burst, or falls behind, reads late
+        self.on_message_delay: Callable[[float], None] | None = None
         self._replies: dict[int, list] = {}
         self._next_call = 0
         self._closed = False
@@ -619,12 +624,14 @@ class EngineProcessClient:
         except (EOFError, OSError):
             code = self._process.poll() if self._process is not None else None
             raise EngineProcessError(f"the engine process is gone (exit code {code})") from None
-        self._last_message = time.monotonic()
+        self._last_message = read_at = time.monotonic()
         if message[0] == "reply":
             _, call_id, failure, self._stats = message
             self._replies[call_id] = failure
             return
-        _, names, token_ids, texts, num_outputs, extras, self._stats, error = message
+        _, names, token_ids, texts, num_outputs, extras, self._stats, error, sent_at = message
+        if self.on_message_delay is not None:
+            self.on_message_delay(read_at - sent_at)
         if error is not None:
             self.last_error = EngineProcessError(error)
         requests = self._requests

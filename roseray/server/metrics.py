@@ -26,14 +26,16 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                 0.4, 0.5, 0.75, 1.0, 2.5)
+_MESSAGE_DELAY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
-class TokenGapHistogram:
-    """inter_token_latency_seconds, observed once per streamed token (the hot path): a
-    bisect into plain counters instead of prometheus_client's loop over locked buckets,
-    exported as an ordinary Prometheus histogram at scrape time. One event loop observes
-    and scrapes it."""
+class BisectHistogram:
+    """A histogram observed on a hot path (inter_token_latency_seconds, once per streamed
+    token; engine_message_delay_seconds, once per engine step): a bisect into plain counters
+    instead of prometheus_client's loop over locked buckets, exported as an ordinary
+    Prometheus histogram at scrape time. An observation from another thread (the engine
+    client's) may be half seen by a scrape that runs meanwhile, never lost."""
 
     def __init__(self, name: str, doc: str, model_name: str, buckets: tuple[float, ...]) -> None:
         self.name, self.doc, self.model_name = name, doc, model_name
@@ -107,9 +109,13 @@ class ServerMetrics:
             return Histogram(f"roseray:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
 
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.itl = TokenGapHistogram("roseray:inter_token_latency_seconds", "Time between output tokens.", model_name,
-                                     _ITL_BUCKETS)
+        self.itl = BisectHistogram("roseray:inter_token_latency_seconds", "Time between output tokens.", model_name,
+                                   _ITL_BUCKETS)
         self.registry.register(self.itl)
+        self.message_delay = BisectHistogram(
+            "roseray:engine_message_delay_seconds", "Time from the engine process sending a step's outputs to the "
+            "API process reading them (engine process only).", model_name, _MESSAGE_DELAY_BUCKETS)
+        self.registry.register(self.message_delay)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
