@@ -115,6 +115,9 @@ class SeedEngine:
         self.config = EngineConfig(model=model, max_num_seqs=num_requests, enable_prefix_caching=False,
                                    **engine_args)
         self.engine = AsyncLLMEngine.from_engine_config(self.config)
+        self._message_delays = [0.0, 0]  # an engine process's step messages: seconds read late, count
+        if hasattr(self.engine.engine, "on_message_delay"):
+            self.engine.engine.on_message_delay = self._on_message_delay
         self.engine.start()
         try:
             run_async(_run(self.engine, self.prompts[:8], self.params[:8]), loop)  # warm-up
@@ -127,13 +130,20 @@ class SeedEngine:
 
     def burst(self, timeline: bool = False) -> dict:
         self.engine._loop = None  # a new event loop for each measured run
-        before = self._engine_time()
+        before, delays_before = self._engine_time(), list(self._message_delays)
         with engine_cpu_use(self.engine_pid) as cpu:
             run = run_async(_run(self.engine, self.prompts, self.params,
                                  Timeline(self.engine.engine) if timeline else None, tag=f"seed{self.bursts}"),
                             self.loop)
         self.bursts += 1
+        seconds, count = (now - then for now, then in zip(self._message_delays, delays_before))
+        if count:  # as the server's engine_message_delay_seconds, for the same engine without HTTP
+            run["message_delay_mean_ms"] = seconds / count * 1e3
         return {**run, **cpu, **engine_time_split(before, self._engine_time()), "ended_unix": time.time()}
+
+    def _on_message_delay(self, seconds: float) -> None:
+        self._message_delays[0] += seconds
+        self._message_delays[1] += 1
 
     def _engine_time(self) -> tuple[float, float, float]:
         s = self.engine.engine.get_stats()
