@@ -10,7 +10,9 @@ a random model is readable. Invalid or incomplete UTF-8 decodes with U+FFFD
 A tokenizer whose `piece_table` gives every token's bytes is detokenized by table lookup
 (detokenizer.ByteDetokenizer) instead of two `decode` calls per token: the byte tokenizer
 always, a Hugging Face byte-level BPE tokenizer (GPT-2, Llama 3, Qwen) when its `decode` is
-checked to be exactly the UTF-8 decoding of its tokens' bytes (`byte_level_pieces`).
+checked to be exactly the UTF-8 decoding of its tokens' bytes (`byte_level_pieces`), and a
+SentencePiece-style one (Llama 2, Mistral) when its decode in context is checked to be that
+(`sentencepiece_pieces`).
 """
 
 from __future__ import annotations
@@ -212,6 +214,64 @@ def byte_level_pieces(hf: PreTrainedTokenizerBase, skip_special_tokens: bool) ->
     return pieces
 
 
+_SENTENCEPIECE_STEPS = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                        {"type": "ByteFallback"}, {"type": "Fuse"}]
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# text that a SentencePiece check decodes: multi-byte characters that such vocabularies often
+# spell in byte tokens, special and added tokens, spaces where a Strip decoder could act
+_SENTENCEPIECE_PROBES = ("héllo 世界 🙂 naïve", "  two  spaces", "日本語 ok", "🙂🙂 a", "x")
+
+
+def sentencepiece_pieces(hf: PreTrainedTokenizerBase, skip_special_tokens: bool) -> list[bytes] | None:
+    """Every token id's bytes for a SentencePiece-style fast tokenizer (Llama 2, Mistral,
+    TinyLlama, Gemma: decoder Replace("\u2581", " "), ByteFallback, Fuse, optionally a
+    Strip of leading spaces): a token's text with "\u2581" as a space, a byte token
+    "<0xXX>" its byte, b"" for a skipped special token. Their UTF-8 decoding is a token's
+    text in context, what `decode(context + ids)` adds to `decode(context)`: the Strip acts
+    only at the very start of a text, which in a stream is the prompt's. Two cases differ
+    from a whole decode, by design of streaming: a request with no prompt keeps its first
+    space, and a run of byte tokens that is not valid UTF-8 gives one U+FFFD per invalid
+    sequence, where ByteFallback gives one per byte of the whole run. Checked here on text
+    in context (probes spelled with byte tokens among them), else None."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    steps = decoder.get("decoders") if decoder.get("type") == "Sequence" else None
+    if not steps or steps[:3] != _SENTENCEPIECE_STEPS or not all(
+            step.get("type") == "Strip" and step.get("content") == " " and step.get("stop") == 0 for step in steps[3:]):
+        return None
+    special = {token_id for token_id, token in hf.added_tokens_decoder.items() if token.special}
+    size = max(len(hf), max(hf.added_tokens_decoder, default=-1) + 1)
+    pieces = []
+    for token_id, token in enumerate(hf.convert_ids_to_tokens(list(range(size)))):
+        byte = _BYTE_TOKEN.fullmatch(token) if token is not None else None
+        if token is None or (skip_special_tokens and token_id in special):
+            pieces.append(b"")
+        elif byte is not None and token_id not in hf.added_tokens_decoder:
+            pieces.append(bytes([int(byte.group(1), 16)]))
+        else:
+            pieces.append(token.replace("\u2581", " ").encode("utf-8"))
+    context = hf.encode("a", add_special_tokens=False)
+    context_text = hf.decode(context, skip_special_tokens=skip_special_tokens)
+    rng = random.Random(0)
+    texts = [hf.encode(text, add_special_tokens=False) for text in _SENTENCEPIECE_PROBES]
+    # random ids, but valid UTF-8 throughout: no byte token of a multi-byte character on its own
+    whole = [token_id for token_id, piece in enumerate(pieces) if len(piece) != 1 or piece.isascii()]
+    probes = list(texts)
+    for _ in range(_CHECK_SEQUENCES):
+        ids = [rng.choice(whole) for _ in range(rng.randint(1, _CHECK_MAX_LEN))]
+        cut = rng.randrange(len(ids) + 1)
+        probes.append(ids[:cut] + rng.choice(texts) + ids[cut:])
+    for ids in probes:
+        in_context = hf.decode(context + ids, skip_special_tokens=skip_special_tokens)
+        if in_context != context_text + b"".join(pieces[token_id] for token_id in ids).decode("utf-8", "replace"):
+            logger.info("%s: decode in context is not its tokens' bytes joined; text comes from decode calls",
+                        type(hf).__name__)
+            return None
+    return pieces
+
+
 class HFTokenizer(Tokenizer):
     """A thin wrapper over a transformers tokenizer (`.hf` is the wrapped one)."""
 
@@ -228,7 +288,8 @@ class HFTokenizer(Tokenizer):
     def piece_table(self, skip_special_tokens: bool = True) -> list[bytes] | None:
         """Every token's bytes, when decoding is their UTF-8 (byte_level_pieces), else None."""
         if skip_special_tokens not in self._pieces:
-            self._pieces[skip_special_tokens] = byte_level_pieces(self.hf, skip_special_tokens)
+            self._pieces[skip_special_tokens] = (byte_level_pieces(self.hf, skip_special_tokens)
+                                                 or sentencepiece_pieces(self.hf, skip_special_tokens))
         return self._pieces[skip_special_tokens]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

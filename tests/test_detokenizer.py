@@ -460,3 +460,104 @@ def test_an_engine_whose_tokenizer_cleans_up_spaces_writes_its_decode(tmp_path):
     hf = llm.engine.tokenizer.hf
     assert [out.outputs[0].text for out in outs] == [hf.decode(out.outputs[0].token_ids, skip_special_tokens=True)
                                                      for out in outs]
+
+
+# ---- SentencePiece-style tokenizers (Llama 2, Mistral): the table, text in context -------------------
+def _hf_sentencepiece(decoder_steps=None):
+    """A Llama-2-like tokenizer built here: BPE over "\u2581"-joined words with the 256 byte
+    tokens "<0xXX>" in its vocabulary (characters it lacks, such as 🙂 and 世, are spelled in
+    them), decoder Replace("\u2581", " "), ByteFallback, Fuse, Strip(" ", 1, 0) unless
+    `decoder_steps` says otherwise; an added token."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trained = Tokenizer(models.BPE())
+    trained.normalizer = normalizer
+    corpus = [" ".join(rng.choice(["the", "quick", "fox", "héllo", "naïve", "ok", "日本", "'s"]) for _ in range(30))
+              for _ in range(300)]
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    model = json.loads(trained.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for token in sorted(model["vocab"], key=model["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    backend = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizer
+    if decoder_steps is None:
+        decoder_steps = [decoders.Strip(" ", 1, 0)]
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *decoder_steps])
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.add_tokens(["<think>"])
+    return hf
+
+
+_SP_CACHE: dict = {}
+
+
+def _sp_tokenizer():
+    from roseray.tokenizer import HFTokenizer
+
+    if "sp" not in _SP_CACHE:
+        _SP_CACHE["sp"] = HFTokenizer(_hf_sentencepiece(), "sp")
+    return _SP_CACHE["sp"]
+
+
+_SP_TEXTS = ["the quick fox", "héllo 世界 🙂", "naïve  ok 日本語", "🙂🙂", "<think> ok", "x 's y", "  a"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_SP_TEXTS), min_size=1, max_size=4), st.lists(st.integers(0, 300), max_size=8),
+       st.booleans(), st.randoms(use_true_random=False))
+def test_a_sentencepiece_tokenizer_is_detokenized_by_table_as_it_decodes_in_context(texts, extra_ids, skip, rng):
+    """Text spelled partly in byte tokens (🙂, 世), spaces, special and added tokens, in any
+    chunks: the table gives what decode(prompt + ids) adds to decode(prompt), as the window
+    detokenizer does (Strip removes a space only at the start of the prompt)."""
+    tokenizer = _sp_tokenizer()
+    segments = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    segments.append([t for t in extra_ids if not 3 + 0x80 <= t < 3 + 256])  # no lone byte of a multi-byte character
+    segments.insert(rng.randrange(len(segments) + 1), [tokenizer.eos_token_id])  # not inside a character's bytes
+    ids = [token_id for segment in segments for token_id in segment]
+    prompt = tokenizer.encode("the prompt", add_special_tokens=True)
+    expected = (tokenizer.hf.decode(prompt + ids, skip_special_tokens=skip)
+                [len(tokenizer.hf.decode(prompt, skip_special_tokens=skip)):])
+    detok = make_detokenizer(tokenizer, prompt, skip)
+    assert isinstance(detok, ByteDetokenizer)
+    assert "".join(detok.step(chunk) for chunk in split_randomly(ids, rng)) + detok.flush() == expected
+    window = IncrementalDetokenizer(tokenizer, prompt, skip)  # the path such tokenizers took before
+    assert "".join(window.step_token(t) for t in ids) + window.flush() == expected
+    one_by_one = make_detokenizer(tokenizer, prompt, skip)
+    assert "".join(one_by_one.step_token(t) for t in ids) + one_by_one.flush() == expected
+
+
+def test_a_sentencepiece_table_differs_from_decode_only_where_streaming_must():
+    """Documented: an invalid byte run gives U+FFFD per invalid sequence (ByteFallback: one per
+    byte of the run); with no prompt the first space stays (decode strips it)."""
+    tokenizer = _sp_tokenizer()
+    assert prepare_detokenization(tokenizer) == "by table"
+    detok = make_detokenizer(tokenizer, [], True)
+    invalid = [3 + 0xF0, 3 + 0x9F, 3 + ord("a")]  # two bytes of a 4-byte character, then "a"
+    assert detok.step(invalid) + detok.flush() == "\ufffda"
+    assert tokenizer.hf.decode(invalid) == "\ufffd\ufffd\ufffd"
+    ids = tokenizer.encode("the fox", add_special_tokens=False)
+    fresh = make_detokenizer(tokenizer, [], True)
+    assert fresh.step(ids) + fresh.flush() == " " + tokenizer.hf.decode(ids)
+
+
+@pytest.mark.parametrize("steps", ["strip_end", "none_extra"])
+def test_a_sentencepiece_decoder_outside_the_known_shape_keeps_the_window_or_gets_the_table(steps):
+    from tokenizers import decoders
+
+    from roseray.tokenizer import HFTokenizer
+
+    if steps == "strip_end":  # a Strip at the end as well: not streamable by table
+        tokenizer = HFTokenizer(_hf_sentencepiece([decoders.Strip(" ", 1, 1)]), "sp")
+        assert tokenizer.piece_table(True) is None
+        assert isinstance(make_detokenizer(tokenizer, [], True), IncrementalDetokenizer)
+    else:  # no Strip at all (Gemma's shape): the table
+        tokenizer = HFTokenizer(_hf_sentencepiece([]), "sp")
+        assert detokenizes_by_table(tokenizer)

@@ -145,9 +145,10 @@ class IncrementalDetokenizer:
 
 class ByteDetokenizer:
     """The incremental detokenizer of a tokenizer with a piece table (the byte tokenizer of
-    the random presets; a Hugging Face byte-level BPE tokenizer, tokenizer.byte_level_pieces):
-    every token is a fixed byte string, so an incremental UTF-8 decoder gives exactly
-    `decode(output ids)` at O(1) per token (a held incomplete character is the decoder's own
+    the random presets; a Hugging Face byte-level BPE tokenizer, tokenizer.byte_level_pieces;
+    a SentencePiece-style one, tokenizer.sentencepiece_pieces, whose table gives the text in
+    context): every token is a fixed byte string, so an incremental UTF-8 decoder gives
+    exactly `decode(output ids)` at O(1) per token (a held incomplete character is the decoder's own
     state). A token that is plain ASCII while no character is held skips the decoder (a
     table lookup). An id past the table raises ValueError, or, with `skip_unknown_ids` (as
     a Hugging Face tokenizer's decode does with the ids a model's padded vocabulary has
