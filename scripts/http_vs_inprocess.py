@@ -13,7 +13,11 @@ the machine, whose speed drifts over seconds to minutes (BENCHMARKS.md, "where t
 comes from"); both engines need a fixed KV size (--engine-args '{"num_kv_blocks": N}'), as
 the second one cannot size itself from the GPU memory left.
 
-Needs aiohttp and the serving dependencies (FastAPI, uvicorn: the GPU host's bundle).
+The clients send each request as prebuilt bytes on a keep-alive connection of their own
+(roseray.bench.stream_connection): a process's 32 requests leave within ~0.4 ms on the dev
+box, where aiohttp took ~1.8 ms (scripts/load_generator_cost.py), so a burst starts at once
+on the HTTP side, as it does in-process. Needs the serving dependencies (FastAPI, uvicorn:
+the GPU host's bundle).
 """
 
 from __future__ import annotations
@@ -34,46 +38,41 @@ import numpy as np
 from roseray.bench.common import (engine_cpu_use, engine_time_from_metrics, engine_time_split, histogram_totals,
                                   percentiles, run_async, server_time_split)
 from roseray.bench.stream import SeedEngine, median_pass, run_seed
+from roseray.bench.stream_connection import StreamConnection, encode_post
 from roseray.server.metrics_share import PUBLISH_INTERVAL_S
 
 
-async def _one(session, url: str, model: str, max_tokens: int) -> tuple[float, list[float], int, str]:
-    body = {"model": model, "prompt": [15496], "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+def _request(port: int, model: str, max_tokens: int) -> bytes:
+    """One W-seed-like streaming completion, encoded once and sent as these bytes."""
+    return encode_post("127.0.0.1", port, "/v1/completions", {
+        "model": model, "prompt": [15496], "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True}})
+
+
+async def _one(connection: StreamConnection, request: bytes) -> tuple[float, list[float], int, str]:
+    """One stream: (sent, each content event's arrival, completion tokens, x-roseray-replica).
+    Each event is stamped with the time of the read that completed it."""
     sent = time.monotonic()
-    times, tokens, tail = [], 0, b""
-    async with session.post(url, json=body) as response:
-        assert response.status == 200, await response.text()
-        # whatever one read brings, split into its whole events (an SSE event ends in a blank
-        # line), each stamped with the read's time: a third of the CPU of reading line by line
-        # (dev box), which matters where the clients share the server's cores
-        async for chunk in response.content.iter_any():
-            now = time.monotonic()
-            events = (tail + chunk).split(b"\n\n")
-            tail = events.pop()  # an event still arriving (usually b"")
-            for event in events:
-                if not event.startswith(b"data: {"):
-                    continue  # [DONE]
-                if b'"choices":[]' in event:  # the usage chunk: the only event parsed (keeps the client light)
-                    tokens = json.loads(event[6:])["usage"]["completion_tokens"]
-                else:
-                    times.append(now)
-    return sent, times, tokens, response.headers.get("x-roseray-replica", "")
+    answer = await connection.request(request)
+    assert answer.status == 200, f"HTTP {answer.status}: {answer.body[:300]!r}"
+    return sent, answer.event_times, answer.completion_tokens or 0, answer.headers.get("x-roseray-replica", "")
 
 
 async def _client_streams(port: int, model: str, n: int, max_tokens: int, passes: int, barrier, results) -> None:
-    import aiohttp  # the client side only
-
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
-        # this process's connection pool (one keep-alive connection per stream, as long-lived
-        # clients hold) and the server's code paths warm
-        await asyncio.gather(*[_one(session, url, model, 4) for _ in range(n)])
+    # one keep-alive connection per stream, as long-lived clients hold; the first requests warm
+    # them and the server's code paths
+    connections = [await StreamConnection.open("127.0.0.1", port) for _ in range(n)]
+    try:
+        warm_up = _request(port, model, 4)
+        await asyncio.gather(*[_one(connection, warm_up) for connection in connections])
         barrier.wait()  # warmed: the parent reads the server's counters after this
+        request = _request(port, model, max_tokens)
         for _ in range(passes):
             barrier.wait()  # every client process and the parent are ready: all streams start together
-            results.put(await asyncio.gather(*[_one(session, url, model, max_tokens) for _ in range(n)]))
+            results.put(await asyncio.gather(*[_one(connection, request) for connection in connections]))
+    finally:
+        for connection in connections:
+            connection.close()
 
 
 def _client_process(port, model, n, max_tokens, passes, barrier, results) -> None:
@@ -223,7 +222,7 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
     engine with `engine_args`, taking turns at going first (neither side always runs right
     after the other), each pair printed; the first pair warms both. Returns the comparison
     of the warm medians, with every pair's ratio and their median."""
-    with SeedEngine(model, n, engine_args) as seed:  # up first: its start-up takes the GPU for a while
+    with SeedEngine(model, n, engine_args, max_tokens=max_tokens) as seed:  # up first: its start-up takes the GPU for a while
         pairs = []
         bursts = _bursts(port, model, n, max_tokens, processes, passes, engine_pid)
         try:
@@ -321,10 +320,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--client-processes", type=int, default=4,
-                        help="client processes sharing the streams (128 real clients send at once: one aiohttp "
-                             "process puts the 32nd request of a burst on the wire ~2.5 ms after the burst "
-                             "starts on the dev box, the 8th after ~0.6 ms; but more processes compete with the "
-                             "server for the host's cores: see BENCHMARKS.md)")
+                        help="client processes sharing the streams (each sends its share of a burst within "
+                             "~0.4 ms of 32 requests on the dev box and reads ~40,000 events per second on the GPU "
+                             "host; more processes compete with the server for the host's cores: see BENCHMARKS.md)")
     parser.add_argument("--api-processes", type=int, default=1, help="`roseray serve --api-processes`")
     parser.add_argument("--server-port", type=int, default=None,
                         help="measure the server already listening here (e.g. the Ray Serve app) and write the "
@@ -359,14 +357,16 @@ def main() -> None:
     elif args.against_http is not None:
         with open(args.against_http) as f:
             http = json.load(f)["http"]
-        inproc = run_seed(args.model, args.num_requests, args.engine_args, passes=http["warm_passes"])
+        inproc = run_seed(args.model, args.num_requests, args.engine_args, passes=http["warm_passes"],
+                          max_tokens=args.max_tokens)
         result = compare(http, inproc, f"server on port {http['server_port']}")
     else:
         # HTTP first: the server process must find the GPU free (each engine sizes its KV
         # cache from the memory left), and the in-process engine runs after it has exited.
         http = run_http(args.model, args.num_requests, args.max_tokens, args.port, args.client_processes,
                         args.api_processes, args.passes)
-        inproc = run_seed(args.model, args.num_requests, args.engine_args, passes=http["warm_passes"])
+        inproc = run_seed(args.model, args.num_requests, args.engine_args, passes=http["warm_passes"],
+                          max_tokens=args.max_tokens)
         result = compare(http, inproc, f"{args.api_processes} API process(es)")
     if args.out:
         with open(args.out, "w") as f:

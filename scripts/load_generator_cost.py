@@ -1,10 +1,13 @@
 """What the load generator of scripts/http_vs_inprocess.py spends per streamed event: one
 client process's CPU time per SSE event, reading 32 streams of 128 events each from a stub
 server (an ASGI app under uvicorn, in a child process, that writes one event per stream
-every 2 ms). Two ways of reading are compared:
+every 2 ms), and how long the process takes to put a burst's requests on the wire (first
+request's send to the last's). Three ways are compared:
 
-  lines, asyncio   each stream read line by line on asyncio's loop (the script until c4f903b)
-  reads, <loop>    http_vs_inprocess._one: each read split into whole events (uvloop where installed)
+  aiohttp lines, asyncio   each stream read line by line on asyncio's loop (the script until c4f903b)
+  aiohttp reads, <loop>    aiohttp, each read split into whole events (uvloop where installed; until
+                           the stream connection)
+  connection, <loop>       http_vs_inprocess._one: prebuilt requests on roseray.bench.stream_connection
 
 Where the clients share the host with the server (the GPU host's measurement), their CPU is
 taken from the server's cores. CPU only.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import json
 import socket
@@ -61,34 +65,66 @@ def _load_client():
     return module
 
 
-async def _by_lines(session, url: str, model: str, max_tokens: int):
-    """The old reader: one `async for` turn per line."""
+async def _aiohttp_one(session, url: str, model: str, max_tokens: int, *, whole_reads: bool):
+    """One stream through aiohttp, read line by line (the script until c4f903b) or in whole
+    reads split into events (from c4f903b until the stream connection)."""
     body = {"model": model, "prompt": [15496], "max_tokens": max_tokens, "stream": True}
-    sent, times, tokens = time.monotonic(), [], 0
+    sent, times, tokens, tail = time.monotonic(), [], 0, b""
     async with session.post(url, json=body) as response:
-        async for line in response.content:
+        async for piece in (response.content.iter_any() if whole_reads else response.content):
             now = time.monotonic()
-            if not line.startswith(b"data: {"):
-                continue
-            if b'"choices":[]' in line:
-                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+            if whole_reads:
+                events = (tail + piece).split(b"\n\n")
+                tail = events.pop()
             else:
-                times.append(now)
+                events = [piece]  # a line
+            for event in events:
+                if not event.startswith(b"data: {"):
+                    continue
+                if b'"choices":[]' in event:
+                    tokens = json.loads(event[6:])["usage"]["completion_tokens"]
+                else:
+                    times.append(now)
     return sent, times, tokens, ""
 
 
-async def _cpu_per_event(read, port: int, streams: int, events: int, bursts: int) -> float:
+async def _aiohttp_bursts(read, port: int, streams: int, events: int, bursts: int):
     import aiohttp
 
     url = f"http://127.0.0.1:{port}/v1/completions"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*[read(session, url, "m", 2) for _ in range(streams)])  # connections open
-        start, counted = time.process_time(), 0
-        for _ in range(bursts):
-            results = await asyncio.gather(*[read(session, url, "m", events) for _ in range(streams)])
-            assert all(r[2] == events == len(r[1]) for r in results), "events lost"
-            counted += sum(len(r[1]) for r in results)
-        return (time.process_time() - start) / counted
+        start = time.process_time()
+        runs = [await asyncio.gather(*[read(session, url, "m", events) for _ in range(streams)])
+                for _ in range(bursts)]
+        return time.process_time() - start, runs
+
+
+async def _connection_bursts(port: int, streams: int, events: int, bursts: int):
+    client = _load_client()
+    connections = [await client.StreamConnection.open("127.0.0.1", port) for _ in range(streams)]
+    try:
+        warm_up, request = client._request(port, "m", 2), client._request(port, "m", events)
+        await asyncio.gather(*[client._one(connection, warm_up) for connection in connections])
+        start = time.process_time()
+        runs = [await asyncio.gather(*[client._one(connection, request) for connection in connections])
+                for _ in range(bursts)]
+        return time.process_time() - start, runs
+    finally:
+        for connection in connections:
+            connection.close()
+
+
+async def _cost(read, port: int, streams: int, events: int, bursts: int) -> tuple[float, float]:
+    """(CPU seconds per event, median ms from a burst's first send to its last)."""
+    if read is None:
+        cpu_s, runs = await _connection_bursts(port, streams, events, bursts)
+    else:
+        cpu_s, runs = await _aiohttp_bursts(read, port, streams, events, bursts)
+    assert all(r[2] == events == len(r[1]) for results in runs for r in results), "events lost"
+    counted = sum(len(r[1]) for results in runs for r in results)
+    spreads = sorted(max(r[0] for r in results) - min(r[0] for r in results) for results in runs)
+    return cpu_s / counted, spreads[len(spreads) // 2] * 1e3
 
 
 def _free_port() -> int:
@@ -117,16 +153,18 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    client = _load_client()
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-c", SERVER.format(event=EVENT), str(port)])
     try:
         _wait_listening(port, server)
-        ways = [("lines, asyncio", _by_lines, "asyncio"), (f"reads, {resolve_loop('auto')}", client._one, "auto")]
+        loop = resolve_loop("auto")
+        ways = [("aiohttp lines, asyncio", functools.partial(_aiohttp_one, whole_reads=False), "asyncio"),
+                (f"aiohttp reads, {loop}", functools.partial(_aiohttp_one, whole_reads=True), "auto"),
+                (f"connection, {loop}", None, "auto")]
         for _ in range(args.repeats):
             for name, read, loop in ways:
-                seconds = run_async(_cpu_per_event(read, port, args.streams, args.events, args.bursts), loop)
-                print(f"{name:16s} {seconds * 1e6:6.1f} us of CPU per event "
+                seconds, spread_ms = run_async(_cost(read, port, args.streams, args.events, args.bursts), loop)
+                print(f"{name:24s} {seconds * 1e6:6.1f} us of CPU per event, sends spread over {spread_ms:.2f} ms "
                       f"({args.bursts} bursts of {args.streams} x {args.events})")
     finally:
         server.terminate()

@@ -56,12 +56,12 @@ def test_engine_cpu_use_fills_its_dict_only_with_a_process():
 @linux_only
 def test_run_seed_measures_several_bursts_on_one_engine_process(monkeypatch):
     # W-seed's prompt token is GPT-2's; the tiny preset's vocabulary is smaller
-    def small_workload(num_requests):
+    def small_workload(num_requests, max_tokens):
         return ([[7] for _ in range(num_requests)],
-                [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4) for _ in range(num_requests)])
+                [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens) for _ in range(num_requests)])
 
     monkeypatch.setattr(stream, "seed_workload", small_workload)
-    result = stream.run_seed("random:tiny", 3, {"device": "cpu", "engine_process": True}, passes=3)
+    result = stream.run_seed("random:tiny", 3, {"device": "cpu", "engine_process": True}, passes=3, max_tokens=4)
     assert len(result["passes_tok_s"]) == 3
     assert result["throughput_tok_s"] == sorted(result["passes_tok_s"])[1]
     assert result["completion_tokens"] == 3 * 4  # one burst's tokens, not the three passes' sum
@@ -93,8 +93,8 @@ def test_interleaved_comparison_pairs_each_http_burst_with_an_in_process_burst(m
     turns at going first; the first pair warms both and is left out of the medians and the
     ratios."""
     module = _load_http_vs_inprocess()
-    monkeypatch.setattr(stream, "seed_workload", lambda n: ([[7] for _ in range(n)], [
-        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4) for _ in range(n)]))
+    monkeypatch.setattr(stream, "seed_workload", lambda n, max_tokens: ([[7] for _ in range(n)], [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens) for _ in range(n)]))
     order = []
     real_burst = stream.SeedEngine.burst
 
@@ -167,9 +167,10 @@ def test_server_request_times_are_read_from_histograms_and_averaged_per_burst():
 
 
 def test_the_load_generator_counts_whole_events_however_the_reads_split_them():
-    """http_vs_inprocess reads each stream in whatever pieces arrive: an event split across
-    two reads counts once, when its end arrives; the usage event gives the token count."""
-    from aiohttp import ClientSession, web
+    """http_vs_inprocess reads each stream in whatever pieces arrive (here from aiohttp's
+    server, which frames a stream in chunks of its own): an event split across two reads
+    counts once, when its end arrives; the usage event gives the token count."""
+    from aiohttp import web
     from aiohttp.test_utils import TestServer
 
     module = _load_http_vs_inprocess()
@@ -188,15 +189,19 @@ def test_the_load_generator_counts_whole_events_however_the_reads_split_them():
     async def run():
         app = web.Application()
         app.router.add_post("/v1/completions", handler)
-        async with TestServer(app) as server, ClientSession() as session:
-            return await module._one(session, str(server.make_url("/v1/completions")), "m", 3)
+        async with TestServer(app) as server:
+            connection = await module.StreamConnection.open(server.host, server.port)
+            try:
+                return await module._one(connection, module._request(server.port, "m", 3))
+            finally:
+                connection.close()
 
     sent, times, tokens, served_by = asyncio.run(run())
     assert tokens == 3 and served_by == "r/api2" and len(times) == 3
     assert sent <= times[0] < times[1] <= times[2]  # y is stamped when its end arrives, after x
 
 
-def test_the_load_generator_cost_script_measures_both_readers(monkeypatch, capsys):
+def test_the_load_generator_cost_script_measures_every_client(monkeypatch, capsys):
     """scripts/load_generator_cost.py (the client's CPU per event in BENCHMARKS.md) runs its
     stub server and both readers, and every event is counted."""
     import importlib.util
@@ -210,8 +215,9 @@ def test_the_load_generator_cost_script_measures_both_readers(monkeypatch, capsy
                                       "--repeats", "1"])
     module.main()
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 2 and lines[0].startswith("lines, asyncio") and lines[1].startswith("reads, ")
-    assert all("us of CPU per event" in line for line in lines)
+    assert len(lines) == 3 and lines[0].startswith("aiohttp lines, asyncio")
+    assert lines[1].startswith("aiohttp reads, ") and lines[2].startswith("connection, ")
+    assert all("us of CPU per event, sends spread over" in line for line in lines)
 
 
 def test_the_server_admission_cost_script_runs():

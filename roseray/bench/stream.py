@@ -109,9 +109,10 @@ class SeedEngine:
     returns its figures (with the engine process's CPU use). Kept open, it lets a caller put
     other measurements between its bursts (`scripts/http_vs_inprocess.py --interleave`)."""
 
-    def __init__(self, model: str, num_requests: int, engine_args: dict, loop: str = "auto") -> None:
+    def __init__(self, model: str, num_requests: int, engine_args: dict, loop: str = "auto",
+                 max_tokens: int = 128) -> None:
         self.model, self.num_requests, self.engine_args, self.loop = model, num_requests, engine_args, loop
-        self.prompts, self.params = seed_workload(num_requests)
+        self.prompts, self.params = seed_workload(num_requests, max_tokens)
         self.config = EngineConfig(model=model, max_num_seqs=num_requests, enable_prefix_caching=False,
                                    **engine_args)
         self.engine = AsyncLLMEngine.from_engine_config(self.config)
@@ -167,9 +168,9 @@ class SeedEngine:
 
 
 def run_seed(model: str, num_requests: int, engine_args: dict, timeline: bool = False, loop: str = "auto",
-             passes: int = 1) -> dict:
+             passes: int = 1, max_tokens: int = 128) -> dict:
     """W-seed on one engine: a warm-up, then `passes` bursts; the median pass is reported."""
-    with SeedEngine(model, num_requests, engine_args, loop) as seed:
+    with SeedEngine(model, num_requests, engine_args, loop, max_tokens) as seed:
         runs = [seed.burst(timeline and index == 0) for index in range(passes)]
         result = median_pass(runs)
         if timeline:  # the first pass's, whichever is the median
