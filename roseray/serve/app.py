@@ -213,6 +213,15 @@ class RouterArgs(BaseModel):
         return router_replicas_in_env() if self.num_replicas == "auto" else self.num_replicas
 
 
+# API processes per GPU engine replica under "auto". Two, not four: every API process is one more
+# client the engine child sends each step to and one more busy process on the host, and on the
+# H100 host (BENCHMARKS.md, "two API processes") the replica's engine stepped ~7% slower beside
+# four than an in-process engine beside it, and as fast beside two; HTTP reached a pooled median
+# pair of 94% of the in-process engine with two against 83% with four. Two processes sometimes
+# write two steps' tokens in one send (client ITL p50 still 0.95-1.18x the step).
+GPU_REPLICA_API_PROCESSES = 2
+
+
 class AppArgs(BaseModel):
     """The `args:` of serve_config.yaml."""
 
@@ -223,7 +232,8 @@ class AppArgs(BaseModel):
     num_cpus_per_replica: float = 1.0
     # processes that write each engine replica's HTTP streams, on the replica's port: 1 is the replica's
     # own server; N > 1 starts N API processes that take the port over (serve/replica_api_processes.py).
-    # "auto": 4 on GPU replicas (one process cannot write 128 streams every 0.7 ms step), 1 on CPU.
+    # "auto": GPU_REPLICA_API_PROCESSES on GPU replicas (one process cannot write 128 streams every
+    # 0.7 ms step), 1 on CPU.
     # More than 1 needs the engine in its own process (engine.engine_process; the default on CUDA).
     api_processes_per_replica: int | Literal["auto"] = "auto"
     served_model_name: str | None = None
@@ -249,7 +259,7 @@ def _placement(args: AppArgs) -> tuple[int, float]:
 
 def _api_processes(args: AppArgs, num_gpus: float, engine_config: EngineConfig) -> int:
     if args.api_processes_per_replica == "auto":
-        return 4 if num_gpus and engine_config.engine_process is not False else 1
+        return GPU_REPLICA_API_PROCESSES if num_gpus and engine_config.engine_process is not False else 1
     if args.api_processes_per_replica < 1:
         raise ValueError("api_processes_per_replica must be >= 1")
     return args.api_processes_per_replica
