@@ -1,6 +1,6 @@
 """Several API processes in one Ray Serve engine replica (roseray/serve/replica_api_processes.py).
 
-Unit: the app args (auto: 2 on GPU replicas, 1 on CPU; the engine child it needs),
+Unit: the app args (auto: 4 on GPU replicas, 1 on CPU; the engine child it needs),
 finding a listening socket among this process's descriptors, the /-/healthz answers of an
 API process. End to end (its own local Ray: the session's cluster runs one API process
 per replica): two CPU replicas of random:tiny, each with its engine in a child process and
@@ -53,7 +53,7 @@ def engine_args(deployment) -> tuple[dict, int]:
 
 
 @pytest.mark.parametrize("gpus, args, expected, engine_process", [
-    (1, {}, 2, True),  # auto on a GPU replica: 2, the engine in its child (the CUDA default anyway)
+    (1, {}, 4, True),  # auto on a GPU replica: 4, the engine in its child (the CUDA default anyway)
     (0, {}, 1, None),  # auto on CPU: one, the engine where the config says
     (0, {"api_processes_per_replica": 3}, 3, True),  # asked for on CPU: the engine moves to a child
     (1, {"engine": {"model": "random:tiny", "num_kv_blocks": 32, "engine_process": False}}, 1, False),

@@ -213,13 +213,14 @@ class RouterArgs(BaseModel):
         return router_replicas_in_env() if self.num_replicas == "auto" else self.num_replicas
 
 
-# API processes per GPU engine replica under "auto". Two, not four: every API process is one more
-# client the engine child sends each step to and one more busy process on the host, and on the
-# H100 host (BENCHMARKS.md, "two API processes") the replica's engine stepped ~7% slower beside
-# four than an in-process engine beside it, and as fast beside two; HTTP reached a pooled median
-# pair of 94% of the in-process engine with two against 83% with four. Two processes sometimes
-# write two steps' tokens in one send (client ITL p50 still 0.95-1.18x the step).
-GPU_REPLICA_API_PROCESSES = 2
+# API processes per GPU engine replica under "auto". Four write every stream every step (a chunk
+# gap of 1.0-1.2x the step at 128 streams of GPT-2 on an H100). Two (BENCHMARKS.md, "two API
+# processes or four") let the replica's engine step as fast as an in-process engine beside it
+# (beside four it stepped ~7% slower: one more client to send each step to and one more busy
+# process each), but each admits twice the burst and writes two steps at once now and then: the
+# median pair rose from 83% to 87% of the in-process engine, within the runs' noise, while TTFT
+# p50 went from 14 to 21 ms and chunk gaps to 1.1-1.5x the step.
+GPU_REPLICA_API_PROCESSES = 4
 
 
 class AppArgs(BaseModel):

@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 
 from roseray.config import EngineConfig
@@ -44,21 +43,11 @@ def stop_when_parent_dies(lifeline_fd: int) -> None:
     threading.Thread(target=watch, name="roseray-lifeline", daemon=True).start()
 
 
-# An experiment of issue 4's GPU measurement, not a setting: the API process's GIL switch
-# interval (sys.setswitchinterval, seconds). Its engine-client thread reads each step message
-# only once it gets the GIL from the event loop, which may hold it up to the interval (5 ms)
-# while it writes a step's streams.
-SWITCH_INTERVAL_ENV = "ROSERAY_API_SWITCH_INTERVAL_S"
-
-
 def connect_async_engine(config: EngineConfig, commands_fd: int, outputs_fd: int, **kwargs) -> AsyncLLMEngine:
     """The AsyncLLMEngine (not started) of one client of a shared engine child (its pipe pair).
     Every client checks the engine-wide queue (in the engine's stats) against the whole limit,
     and an idle loop wakes as often as the engine sends an idle client its stats (a scrape
     then sees them)."""
-    if os.environ.get(SWITCH_INTERVAL_ENV):
-        sys.setswitchinterval(float(os.environ[SWITCH_INTERVAL_ENV]))
-        logging.getLogger(__name__).info("GIL switch interval %.2g s", sys.getswitchinterval())
     client = EngineProcessClient.connect(config, commands_fd, outputs_fd)  # waits until the model is loaded
     return AsyncLLMEngine(client, max_waiting_requests=config.max_waiting_requests, max_running=config.max_num_seqs,
                           heartbeat_s=IDLE_STATS_INTERVAL_S, **kwargs)
