@@ -12,8 +12,8 @@ import pytest
 
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
-from roseray.engine.engine_process import (EngineProcessClient, SharedEngineClient, _dumps, _loads, serve_clients,
-                                           spawn_engine_process)
+from roseray.engine.engine_process import (EngineProcessClient, SharedEngineClient, _dumps, _loads, frame,
+                                           serve_clients, spawn_engine_process)
 from roseray.sampling_params import SamplingParams
 
 PARAMS = {"temperature": 0.0, "ignore_eos": True}
@@ -220,3 +220,22 @@ def test_a_pipe_that_cannot_grow_keeps_its_size(monkeypatch):
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_message_framed_once_reads_back_through_the_clients_connection():
+    """serve_clients frames each step's message once and writes the same bytes to every
+    client's pipe with os.write; each client reads it with Connection.recv_bytes, empty and
+    larger-than-the-pipe messages included."""
+    out_r, out_w = os.pipe()
+    reader = Connection(out_r, writable=False)
+    client = SharedEngineClient(0, Connection(os.pipe()[0], writable=False), Connection(out_w, readable=False), {})
+    messages = [b"", b"x", _dumps(["step", ["0.1"], [7], ["a"], [1], [], [], None, 1.0]), os.urandom(200_000)]
+    writer = threading.Thread(target=lambda: [client.send_framed(frame(m), 0.0) for m in messages])
+    writer.start()
+    try:
+        assert [reader.recv_bytes() for _ in messages] == messages
+    finally:
+        writer.join(10)
+    client.send(b"reply")  # a reply is framed the same way
+    assert reader.recv_bytes() == b"reply"
+

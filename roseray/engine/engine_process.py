@@ -45,7 +45,10 @@ message goes to every client that had a request in it; each keeps the deltas und
 own prefix. (Splitting the deltas by client cost the child a grouping pass, an encoding
 per client and a smaller message each: ~100 against ~60 us per step of 128 deltas for
 four clients on the dev box, and the child's loop is the one that bounds a step. The
-clients, which run beside it, decode the whole message instead.) A client with no request
+clients, which run beside it, decode the whole message instead. For the same reason the
+message is framed once (`frame`) and written to each client's pipe with one os.write, and
+the command pipes are watched by one poll object kept across steps: with four clients the
+dev box's loop went from ~157 to ~138 us per step of 128 deltas; one client ~123.) A client with no request
 in the engine gets a step message without deltas, with the engine-wide stats, at most
 every `IDLE_STATS_INTERVAL_S`, so its stats stay fresh. A reply goes to the client that
 asked. A client's "stop" or a broken pipe detaches it and aborts its requests (their KV
@@ -63,11 +66,12 @@ import json
 import logging
 import os
 import select
+import struct
 import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Callable
 
 from roseray.config import EngineConfig
@@ -85,6 +89,7 @@ _STATS_FIELDS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blo
                  "prefix_cache_hits", "prefix_cache_queries", "num_preemptions_total", "prompt_tokens_total",
                  "generation_tokens_total", "engine_steps_total", "step_seconds_total", "output_seconds_total")
 _json_encode = json.JSONEncoder(separators=(",", ":")).encode
+_LENGTH = struct.Struct("!i")  # multiprocessing.connection's frame header (messages under 2 GiB)
 IDLE_STATS_INTERVAL_S = 0.25  # several clients: how often one with no requests still gets the stats
 # An output pipe holds this much before the child's write blocks: a step of 128 deltas is ~3.2 KB
 # and every busy client gets the whole step, so Linux's 64 KiB default is only ~20 steps (~13 ms
@@ -95,6 +100,13 @@ OUTPUT_PIPE_BYTES = 512 * 1024
 
 def _dumps(message) -> bytes:
     return _json_encode(message).encode()
+
+
+def frame(data: bytes) -> bytes:
+    """`data` framed as `Connection.send_bytes` frames it (its length as 4 bytes, big-endian,
+    then the bytes), to write to a pipe as it is: a step's message is framed once and written
+    to each client's pipe with one os.write (~2 us less per client than send_bytes)."""
+    return _LENGTH.pack(len(data)) + data
 
 
 def _loads(data: bytes):
@@ -219,6 +231,7 @@ class SharedEngineClient:
                  owners: dict[str, "SharedEngineClient"]) -> None:
         self.index = index
         self.commands, self.outputs = commands, outputs
+        self.commands_fd, self._outputs_fd = commands.fileno(), outputs.fileno()
         self.prefix = f"{index}."  # of its requests' ids in the engine
         self.requests: set[str] = set()  # its requests' ids in the engine
         self.owners = owners  # engine request id -> its client, shared by all clients
@@ -232,8 +245,14 @@ class SharedEngineClient:
         self.owners[request_id] = self
 
     def send(self, data: bytes) -> None:
-        self.outputs.send_bytes(data)
-        self.last_sent = time.monotonic()
+        self.send_framed(frame(data), time.monotonic())
+
+    def send_framed(self, framed: bytes, now: float) -> None:
+        """Write a message framed by `frame` (a step's message is framed once for every client)."""
+        written = os.write(self._outputs_fd, framed)
+        while written < len(framed):  # a blocking pipe writes it all, unless a signal cut the write short
+            written += os.write(self._outputs_fd, framed[written:])
+        self.last_sent = now
 
     def detach(self, engine) -> None:
         """The client is gone or stopped: abort its requests (their blocks are freed at once;
@@ -253,19 +272,28 @@ def serve_clients(engine, clients: list[SharedEngineClient]) -> None:
     """`serve_engine` for several clients: step while any has requests, apply each
     client's commands between steps, send each step's message to every client with a
     request in it. Returns when every client has stopped or gone away."""
-    live = {client.commands: client for client in clients}
+    live = {client.commands_fd: client for client in clients}
     owners = clients[0].owners
     last_error = None
+    # one poll object for the command pipes, kept across steps (multiprocessing's wait() builds a
+    # selector per call: ~7 against ~0.4 us per step for five clients on the dev box)
+    commands = select.poll()
+    for fd in live:
+        commands.register(fd, select.POLLIN)
 
     def detach(client: SharedEngineClient) -> None:
         logger.info("API process %d detached from the engine (%d request(s) aborted)", client.index,
                     len(client.requests))
-        live.pop(client.commands, None)
+        if live.pop(client.commands_fd, None) is not None:
+            commands.unregister(client.commands_fd)
         client.detach(engine)
 
     while live:
-        for connection in wait(list(live), None if not engine.has_unfinished_requests() else 0):
-            client = live[connection]
+        for fd, _ in commands.poll(None if not engine.has_unfinished_requests() else 0):
+            client = live.get(fd)
+            if client is None:
+                continue
+            connection = client.commands
             try:
                 while connection.poll():
                     if _apply(engine, _loads(connection.recv_bytes()), client.send, client):
@@ -291,18 +319,18 @@ def serve_clients(engine, clients: list[SharedEngineClient]) -> None:
                     client.requests.discard(request_id)
         everyone = error_text is not None or not engine.has_unfinished_requests()
         now = time.monotonic()
-        stats_only = None
+        framed, stats_only = frame(message), None
         for client in list(live.values()):
             if client in busy:
-                data = message
+                data = framed
             elif everyone or now - client.last_sent >= IDLE_STATS_INTERVAL_S:
                 if stats_only is None:
-                    stats_only = encode_step([], stats, error_text)
+                    stats_only = frame(encode_step([], stats, error_text))
                 data = stats_only
             else:
                 continue
             try:
-                client.send(data)
+                client.send_framed(data, now)
             except OSError:
                 detach(client)
         engine.output_seconds_total += time.perf_counter() - stepped
