@@ -100,8 +100,7 @@ async def _aiohttp_bursts(read, port: int, streams: int, events: int, bursts: in
         return time.process_time() - start, runs
 
 
-async def _connection_bursts(port: int, streams: int, events: int, bursts: int):
-    client = _load_client()
+async def _connection_bursts(client, port: int, streams: int, events: int, bursts: int):
     connections = [await client.StreamConnection.open("127.0.0.1", port) for _ in range(streams)]
     try:
         warm_up, request = client._request(port, "m", 2), client._request(port, "m", events)
@@ -115,12 +114,10 @@ async def _connection_bursts(port: int, streams: int, events: int, bursts: int):
             connection.close()
 
 
-async def _cost(read, port: int, streams: int, events: int, bursts: int) -> tuple[float, float]:
-    """(CPU seconds per event, median ms from a burst's first send to its last)."""
-    if read is None:
-        cpu_s, runs = await _connection_bursts(port, streams, events, bursts)
-    else:
-        cpu_s, runs = await _aiohttp_bursts(read, port, streams, events, bursts)
+async def _cost(measure, port: int, streams: int, events: int, bursts: int) -> tuple[float, float]:
+    """(CPU seconds per event, median ms from a burst's first send to its last) of one way of
+    running the bursts (`_aiohttp_bursts` with a reader, or `_connection_bursts`)."""
+    cpu_s, runs = await measure(port, streams, events, bursts)
     assert all(r[2] == events == len(r[1]) for results in runs for r in results), "events lost"
     counted = sum(len(r[1]) for results in runs for r in results)
     spreads = sorted(max(r[0] for r in results) - min(r[0] for r in results) for results in runs)
@@ -158,12 +155,14 @@ def main() -> None:
     try:
         _wait_listening(port, server)
         loop = resolve_loop("auto")
-        ways = [("aiohttp lines, asyncio", functools.partial(_aiohttp_one, whole_reads=False), "asyncio"),
-                (f"aiohttp reads, {loop}", functools.partial(_aiohttp_one, whole_reads=True), "auto"),
-                (f"connection, {loop}", None, "auto")]
+        aiohttp_way = lambda whole_reads: functools.partial(  # noqa: E731
+            _aiohttp_bursts, functools.partial(_aiohttp_one, whole_reads=whole_reads))
+        ways = [("aiohttp lines, asyncio", aiohttp_way(False), "asyncio"),
+                (f"aiohttp reads, {loop}", aiohttp_way(True), "auto"),
+                (f"connection, {loop}", functools.partial(_connection_bursts, _load_client()), "auto")]
         for _ in range(args.repeats):
-            for name, read, loop in ways:
-                seconds, spread_ms = run_async(_cost(read, port, args.streams, args.events, args.bursts), loop)
+            for name, measure, loop in ways:
+                seconds, spread_ms = run_async(_cost(measure, port, args.streams, args.events, args.bursts), loop)
                 print(f"{name:24s} {seconds * 1e6:6.1f} us of CPU per event, sends spread over {spread_ms:.2f} ms "
                       f"({args.bursts} bursts of {args.streams} x {args.events})")
     finally:

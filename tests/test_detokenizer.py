@@ -1,5 +1,6 @@
 """Incremental detokenization (multi-byte characters, equality with a full decode) and stop strings."""
 
+import functools
 import random
 
 import pytest
@@ -269,15 +270,11 @@ def _hf_byte_level(clean_up: bool = False, decoder=None):
     return hf
 
 
-_HF_CACHE: dict = {}
-
-
+@functools.cache
 def _hf_tokenizer():
     from roseray.tokenizer import HFTokenizer
 
-    if "plain" not in _HF_CACHE:
-        _HF_CACHE["plain"] = HFTokenizer(_hf_byte_level(), "trained")
-    return _HF_CACHE["plain"]
+    return HFTokenizer(_hf_byte_level(), "trained")
 
 
 @settings(max_examples=300, deadline=None)
@@ -496,15 +493,11 @@ def _hf_sentencepiece(decoder_steps=None):
     return hf
 
 
-_SP_CACHE: dict = {}
-
-
+@functools.cache
 def _sp_tokenizer():
     from roseray.tokenizer import HFTokenizer
 
-    if "sp" not in _SP_CACHE:
-        _SP_CACHE["sp"] = HFTokenizer(_hf_sentencepiece(), "sp")
-    return _SP_CACHE["sp"]
+    return HFTokenizer(_hf_sentencepiece(), "sp")
 
 
 _SP_TEXTS = ["the quick fox", "héllo 世界 🙂", "naïve  ok 日本語", "🙂🙂", "<think> ok", "x 's y", "  a"]

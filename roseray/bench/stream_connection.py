@@ -63,10 +63,14 @@ class StreamConnection(asyncio.Protocol):
         self.closed = False
         self._answer: StreamedAnswer | None = None
         self._future: asyncio.Future | None = None
+        self._start_answer()
+
+    def _start_answer(self) -> None:
+        """The parser's state at the start of an answer."""
         self._buffer = b""  # bytes not parsed yet (head, chunk framing)
         self._in_head = True
         self._chunked = False
-        self._left = 0  # chunked: bytes left of the current chunk; else: of the body
+        self._left = 0  # chunked: bytes left of the current chunk (-1: its CRLF is next); else: of the body
         self._events_tail = b""  # an event still arriving
         self._keep_alive = True
 
@@ -83,7 +87,7 @@ class StreamConnection(asyncio.Protocol):
             raise RuntimeError("a request is still answering on this connection")
         self._future = asyncio.get_running_loop().create_future()
         self._answer = StreamedAnswer()
-        self._buffer, self._in_head, self._chunked, self._left, self._events_tail = b"", True, False, 0, b""
+        self._start_answer()
         self.transport.write(data)
         return self._future
 
@@ -146,9 +150,7 @@ class StreamConnection(asyncio.Protocol):
     def _read_sized(self) -> None:
         piece, self._buffer = self._buffer[:self._left], self._buffer[self._left:]
         self._left -= len(piece)
-        answer = self._answer
-        if len(answer.body) < MAX_ERROR_BODY_BYTES:
-            answer.body += piece[:MAX_ERROR_BODY_BYTES - len(answer.body)]
+        self._keep_body(piece)
         if self._left == 0:
             self._finish()
 
@@ -189,8 +191,7 @@ class StreamConnection(asyncio.Protocol):
     def _on_body(self, piece: bytes, now: float) -> None:
         answer = self._answer
         if answer.status != 200:
-            if len(answer.body) < MAX_ERROR_BODY_BYTES:
-                answer.body += piece[:MAX_ERROR_BODY_BYTES - len(answer.body)]
+            self._keep_body(piece)
             return
         events = (self._events_tail + piece).split(b"\n\n")
         self._events_tail = events.pop()  # an event still arriving (usually b"")
@@ -201,6 +202,10 @@ class StreamConnection(asyncio.Protocol):
                 answer.completion_tokens = json.loads(event[6:])["usage"]["completion_tokens"]
             else:
                 answer.event_times.append(now)
+
+    def _keep_body(self, piece: bytes) -> None:
+        answer = self._answer
+        answer.body += piece[:max(0, MAX_ERROR_BODY_BYTES - len(answer.body))]
 
     def _finish(self) -> None:
         if self._buffer:

@@ -176,13 +176,12 @@ def serve_engine(engine, commands: Connection, outputs: Connection) -> None:
     send, recv = outputs.send_bytes, commands.recv_bytes
     waiting = select.poll()  # one poll object across steps (Connection.poll builds a selector per call)
     waiting.register(commands.fileno(), select.POLLIN)
-    poll = lambda: bool(waiting.poll(0))  # noqa: E731 - a command (or the pipe's end) is there
     last_error = None
     while True:
         if not engine.has_unfinished_requests():
             if _apply(engine, _loads(recv()), send):  # idle: block until told something
                 return
-        while poll():
+        while waiting.poll(0):  # a command (or the pipe's end) is there
             if _apply(engine, _loads(recv()), send):
                 return
         if not engine.has_unfinished_requests():
@@ -294,9 +293,7 @@ def serve_clients(engine, clients: list[SharedEngineClient]) -> None:
 
     while live:
         for fd, _ in commands.poll(None if not engine.has_unfinished_requests() else 0):
-            client = live.get(fd)
-            if client is None:
-                continue
+            client = live[fd]  # only its own client detaches in this loop
             connection = client.commands
             try:
                 while connection.poll():
