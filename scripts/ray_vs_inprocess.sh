@@ -39,7 +39,14 @@ trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left 
 
 # CLIENT_PROCS: client processes sharing the streams (see http_vs_inprocess.py --help)
 sizes=(--model "$MODEL" --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --client-processes "${CLIENT_PROCS:-4}")
+# PROBE=1: before the measure, where a burst's TTFT goes (scripts/ray_burst_probe.py: the whole path
+# through HAProxy, the Router's decisions alone, the replica's own port with tickets signed here)
+if [ "${PROBE:-0}" = 1 ]; then export TICKET_SECRET=${TICKET_SECRET:-$(python -c "import secrets; print(secrets.token_hex(16))")}; fi
 start_server ray 1 kv_queue || exit 1
+if [ "${PROBE:-0}" = 1 ]; then
+  python scripts/ray_burst_probe.py --port "$PORT" -n "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --rounds 5 \
+      --ticket-secret "$TICKET_SECRET" --out "$OUT/burst_probe.json" 2>&1 | grep -E "^n=" || echo "the probe failed"
+fi
 # (each pass also records the replica's engine process's CPU use: the one engine process here)
 if [ "$INTERLEAVE" = 1 ]; then
   python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --passes "$PASSES" --interleave \
