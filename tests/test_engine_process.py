@@ -6,6 +6,7 @@ health), a failed start raising the child's error, and the HTTP app on top of it
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -93,7 +94,6 @@ def test_admission_errors_are_the_engine_messages(child_engine):
         assert (await child_engine.check_integrity())["num_running"] == 0
 
     asyncio.run(main())
-    child_engine._loop = None
 
 
 def test_closing_a_stream_aborts_in_the_child_and_frees_its_blocks(child_engine):
@@ -115,7 +115,6 @@ def test_closing_a_stream_aborts_in_the_child_and_frees_its_blocks(child_engine)
         assert child_engine.stats.generation_tokens_total < 1000
 
     asyncio.run(main())
-    child_engine._loop = None
 
 
 def test_a_killed_engine_process_fails_streams_and_health():
@@ -161,7 +160,6 @@ def test_finished_deltas_carry_the_request_summary(child_engine):
         assert last.num_output_tokens == 4 and last.request.num_cached_tokens == 0
 
     asyncio.run(main())
-    child_engine._loop = None
 
 
 def test_http_app_over_the_engine_process():
@@ -257,6 +255,39 @@ def test_a_burst_of_adds_goes_as_one_message_and_runs_as_one_batch():
         client.check_integrity()
     finally:
         client.close()
+
+
+def test_started_on_an_event_loop_the_engine_process_is_driven_by_it():
+    """No loop thread: the event loop reads the step messages (add_reader) and sends the
+    adds of one loop iteration as one message at its end; thread mode started off a loop."""
+    async def main():
+        engine = AsyncLLMEngine.from_engine_config(config(engine_process=True), heartbeat_s=0.1)
+        engine.start()
+        assert engine._on_loop and engine._thread is None
+        sent = []
+        send_bytes = engine.engine._commands.send_bytes
+        engine.engine._commands.send_bytes = lambda data: (sent.append(_loads(data)), send_bytes(data))[1]
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        streams = [await engine.add_request(f"r{i}", [1 + i, 2], params) for i in range(5)]
+        assert sent == []  # held until the end of this loop iteration
+        outputs = [[t async for deltas in stream for d in deltas for t in d.new_token_ids] for stream in streams]
+        assert [(m[0], len(m[1])) for m in sent] == [("add", 5)] and all(len(tokens) == 4 for tokens in outputs)
+        assert threading.active_count() == threads_before
+        counts = await engine.check_integrity()  # on the loop, between two reads
+        assert counts["num_free_blocks"] == counts["num_total_blocks"]
+        await asyncio.sleep(0.3)  # idle: the tick keeps the heartbeat fresh
+        assert engine.is_alive
+        process = engine.engine._process
+        await engine.shutdown()
+        assert process.poll() == 0 and engine.state is LoopState.STOPPED
+
+    threads_before = threading.active_count()
+    asyncio.run(main())
+    off_loop = AsyncLLMEngine.from_engine_config(config(engine_process=True))
+    off_loop.start()  # no running loop: the loop thread drives it
+    assert not off_loop._on_loop and off_loop._thread.is_alive()
+    off_loop.stop()
+    off_loop._thread.join(15)
 
 
 def test_a_step_message_sends_a_single_token_bare_and_a_list_otherwise():

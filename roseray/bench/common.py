@@ -110,14 +110,20 @@ def resolve_loop(loop: str) -> str:
     return loop
 
 
-def run_async(coro, loop: str = "auto"):
-    """asyncio.run on the named event loop ("asyncio", "uvloop" or "auto")."""
+def new_runner(loop: str = "auto") -> asyncio.Runner:
+    """An asyncio.Runner on the named event loop ("asyncio", "uvloop" or "auto"): one loop
+    for several runs (an engine started on it stays bound to it)."""
     if resolve_loop(loop) == "uvloop":
         import uvloop  # optional: only when asked for or installed
 
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(coro)
-    return asyncio.run(coro)
+        return asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    return asyncio.Runner()
+
+
+def run_async(coro, loop: str = "auto"):
+    """asyncio.run on the named event loop ("asyncio", "uvloop" or "auto")."""
+    with new_runner(loop) as runner:
+        return runner.run(coro)
 
 
 def device_name() -> str:

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from roseray.bench.common import engine_cpu_use, engine_time_split, percentiles, print_table, resolve_loop, run_async, write_result
+from roseray.bench.common import engine_cpu_use, engine_time_split, percentiles, new_runner, print_table, resolve_loop, write_result
 from roseray.bench.workloads import SEED_MODEL, seed_workload
 from roseray.config import EngineConfig
 from roseray.engine.async_engine import AsyncLLMEngine
@@ -44,7 +44,10 @@ class Timeline:
         self.started = 0.0
         self.flushes: list[tuple[float, int]] = []  # (time, adds in the message)
         self.steps: list[tuple[float, int]] = []  # (time a step call returned, deltas with tokens)
-        step = engine.step
+        # the engine loop's steps: step() in a loop thread; an engine process driven by the event
+        # loop returns its steps from read_outputs()
+        name = "read_outputs" if hasattr(engine, "read_outputs") else "step"
+        step = getattr(engine, name)
 
         def timed_step():
             deltas = step()
@@ -52,7 +55,7 @@ class Timeline:
                 self.steps.append((time.perf_counter(), sum(1 for d in deltas if d.new_token_ids)))
             return deltas
 
-        engine.step = timed_step
+        setattr(engine, name, timed_step)
         flush = getattr(engine, "_flush_adds", None)
         if flush is not None:  # EngineProcessClient: the adds of a loop iteration go as one message
             def timed_flush():
@@ -67,6 +70,10 @@ class Timeline:
                 "steps_returned_ms": [(ms(t), n) for t, n in self.steps[:6]],
                 "first_token_ms": {k: round(v, 3) for k, v in
                                    percentiles([(t - self.started) * 1e3 for t in first_tokens], (0, 50, 100)).items()}}
+
+
+async def _start(engine: AsyncLLMEngine) -> None:
+    engine.start()  # on the running loop: an engine process is driven by it
 
 
 async def _run(engine: AsyncLLMEngine, prompts, params, timeline: Timeline | None = None, tag: str = "seed") -> dict:
@@ -119,9 +126,12 @@ class SeedEngine:
         self._message_delays = [0.0, 0]  # an engine process's step messages: seconds read late, count
         if hasattr(self.engine.engine, "on_message_delay"):
             self.engine.engine.on_message_delay = self._on_message_delay
-        self.engine.start()
+        # one event loop for every burst: the engine is started on it (an engine process is then
+        # driven by that loop, as in a server) and stays bound to it
+        self._runner = new_runner(loop)
         try:
-            run_async(_run(self.engine, self.prompts[:8], self.params[:8]), loop)  # warm-up
+            self._runner.run(_start(self.engine))
+            self._runner.run(_run(self.engine, self.prompts[:8], self.params[:8]))  # warm-up
         except BaseException:
             self.close()
             raise
@@ -130,12 +140,10 @@ class SeedEngine:
         self.bursts = 0
 
     def burst(self, timeline: bool = False) -> dict:
-        self.engine._loop = None  # a new event loop for each measured run
         before, delays_before = self._engine_time(), list(self._message_delays)
         with engine_cpu_use(self.engine_pid) as cpu:
-            run = run_async(_run(self.engine, self.prompts, self.params,
-                                 Timeline(self.engine.engine) if timeline else None, tag=f"seed{self.bursts}"),
-                            self.loop)
+            run = self._runner.run(_run(self.engine, self.prompts, self.params,
+                                        Timeline(self.engine.engine) if timeline else None, tag=f"seed{self.bursts}"))
         self.bursts += 1
         seconds, count = (now - then for now, then in zip(self._message_delays, delays_before))
         if count:  # as the server's engine_message_delay_seconds, for the same engine without HTTP
@@ -159,6 +167,7 @@ class SeedEngine:
         self.engine.stop()
         if self.engine._thread is not None:
             self.engine._thread.join(10.0)
+        self._runner.close()
 
     def __enter__(self) -> "SeedEngine":
         return self

@@ -10,6 +10,13 @@ then writes several steps' tokens in one `send`, so a server that falls behind d
 work per token instead of more. With no work the loop sleeps on an event (no spinning)
 and wakes every `heartbeat_s` to prove it is alive.
 
+An engine in another process (EngineProcessClient) is driven by the event loop itself when
+`start()` runs on one: no loop thread. The loop reads each step's message when the output
+pipe is readable and applies it right there (the same hand-off code), and sends the adds of
+one loop iteration as one message at its end. A thread would have to win the GIL back from
+a busy event loop after every pipe read and write (a convoy): while an API process admitted
+a burst, its adds reached the engine 1-4 ms late, and the burst took steps more (issue 4).
+
 A stream that is closed early (cancelled handler, client gone) aborts its request;
 the abort is applied at the top of the next iteration, so its KV blocks are free
 within one step.
@@ -130,6 +137,12 @@ class AsyncLLMEngine:
         self._heartbeat: Callable[[], float] = getattr(engine, "heartbeat", time.monotonic)
         # ends an engine process client's wait for a step message (any thread may call it)
         self._wake_engine: Callable[[], None] | None = getattr(engine, "wake", None)
+        # driven by the event loop (an engine process client, started on a running loop)
+        self._on_loop = False
+        self._flush_scheduled = False  # a _flush_commands call is on its way
+        self._tick: asyncio.TimerHandle | None = None
+        self._num_steps = 0  # step messages read (the event loop's num_steps_total)
+        self._flushed = [0, 0]  # adds sent since the last read of step messages, and before it
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, **kwargs) -> "AsyncLLMEngine":
@@ -147,6 +160,11 @@ class AsyncLLMEngine:
         self._state = LoopState.RUNNING
         freeze_startup_objects()
         self.stats = self._snapshot(0)
+        loop = _running_loop()
+        if loop is not None and hasattr(self.engine, "read_outputs"):
+            self._on_loop = True
+            self._bind(loop)
+            return
         self._thread = threading.Thread(target=self._run, name="roseray-engine-loop", daemon=True)
         self._thread.start()
 
@@ -160,9 +178,12 @@ class AsyncLLMEngine:
 
     @property
     def is_alive(self) -> bool:
-        """The loop thread runs and has stepped or woken within `stuck_after_s`."""
-        return (self._thread is not None and self._thread.is_alive()
-                and time.monotonic() - self.stats.last_heartbeat < self.stuck_after_s)
+        """The loop (thread, or event loop's reader) runs and has stepped or woken within `stuck_after_s`."""
+        if self._on_loop:
+            running = self._state in (LoopState.RUNNING, LoopState.DRAINING)
+        else:
+            running = self._thread is not None and self._thread.is_alive()
+        return running and time.monotonic() - self.stats.last_heartbeat < self.stuck_after_s
 
     def check_health(self) -> None:
         """Raise if the loop is dead or stuck, or the model fails step after step (a sticky
@@ -183,14 +204,17 @@ class AsyncLLMEngine:
 
     def run_on_engine_thread(self, fn: Callable[[SteppableEngine], Any]) -> "asyncio.Future":
         """Run `fn(engine)` on the loop thread between two steps (where the engine may be
-        touched); await the returned future for its result. Without a running loop thread
-        (not started, stopped, dead) `fn` runs here, at once."""
+        touched; driven by the event loop: on it, between two reads of step messages); await
+        the returned future for its result. Without a running loop (not started, stopped,
+        dead) `fn` runs here, at once."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if self._thread is None or not self._thread.is_alive() or self._stop:
-            try:
-                future.set_result(fn(self.engine))
-            except BaseException as error:  # noqa: BLE001 - handed to the awaiting caller
-                future.set_exception(error)
+        if self._on_loop and not self._stop:  # on the event loop, between two reads of step messages
+            def call() -> None:
+                _run_call(fn, self.engine, future)
+                self._on_engine_output()  # the step messages read while waiting for a reply
+            self._call_on_loop(call)
+        elif self._thread is None or not self._thread.is_alive() or self._stop:
+            _run_call(fn, self.engine, future)
         else:
             self._commands.append(("call", fn, future))
             self._signal()
@@ -229,6 +253,9 @@ class AsyncLLMEngine:
         if self._state is not LoopState.DEAD:
             self._state = LoopState.STOPPED
         self._stop = True
+        if self._on_loop:
+            self._call_on_loop(self._stop_on_loop)
+            return
         self._signal()
 
     # ---- requests (asyncio side) -----------------------------------------------------------
@@ -241,10 +268,10 @@ class AsyncLLMEngine:
         if self._state is not LoopState.RUNNING:
             raise EngineUnavailableError(f"the engine is not accepting requests ({self._state.value})")
         loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
-        elif loop is not self._loop:
-            raise RuntimeError("AsyncLLMEngine is bound to another event loop")
+        if loop is not self._loop:
+            if self._loop is not None and self._loop.is_running():
+                raise RuntimeError("AsyncLLMEngine is bound to another event loop")
+            self._bind(loop)  # the first caller's loop, or a new one after the last stopped
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         # the adds the loop has not taken yet fill the free running slots first, then the queue
@@ -256,6 +283,9 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         self._num_unacked += 1
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if self._on_loop:
+            self._add_on_loop(stream, prompt, sampling_params, arrival)
+            return stream
         self._commands.append(("add", request_id, prompt, sampling_params, arrival))
         self._signal()
         try:
@@ -269,6 +299,10 @@ class AsyncLLMEngine:
 
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None and self._state is not LoopState.DEAD:
+            if self._on_loop:
+                if not self._stop:
+                    self._engine_call(self.engine.abort_request, request_id)
+                return
             self._commands.append(("abort", request_id))
             self._signal()
 
@@ -319,6 +353,117 @@ class AsyncLLMEngine:
             stream._fail(EngineUnavailableError(f"the engine loop died: {error!r}"))
         self._streams.clear()
 
+    # ---- driven by the event loop (an engine process client) ---------------------------------
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver to `loop` from now on (driven by the event loop: read the engine there)."""
+        if self._on_loop:
+            if self._loop is not None:
+                self._detach_loop()
+            loop.add_reader(self.engine.outputs_fd, self._on_engine_output)
+            self._tick = loop.call_later(self.heartbeat_s, self._on_tick)
+        self._loop = loop
+
+    def _add_on_loop(self, stream: RequestStream, prompt, sampling_params: SamplingParams, arrival: float) -> None:
+        """Check and hold the add (sent with the others of this loop iteration at its end)."""
+        request_id = stream.request_id
+        try:
+            self.engine.add_request(request_id, prompt, sampling_params, arrival_time=arrival)
+        except BaseException as error:
+            self._streams.pop(request_id, None)
+            self._num_unacked -= 1
+            stream._finished = True
+            if isinstance(error, ValueError):
+                raise
+            logger.exception("add_request failed")
+            raise EngineRequestError(f"the engine could not take this request ({type(error).__name__})") from None
+        stream._admitted.set_result(None)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush_commands)
+
+    def _flush_commands(self) -> None:
+        self._flush_scheduled = False
+        if not self._stop:
+            self._flushed[0] += self._engine_call(self.engine.flush_commands) or 0
+
+    def _engine_call(self, fn, *args):
+        """fn(*args) on the engine client; a gone engine process ends the loop."""
+        try:
+            return fn(*args)
+        except Exception as error:  # noqa: BLE001 - EngineProcessError: the pipe is gone
+            self._die(error)
+            return None
+
+    def _on_engine_output(self) -> None:
+        """The output pipe is readable (or the tick, or a call's reply came): apply what came."""
+        if self._stop:
+            return
+        engine = self.engine
+        read_before = engine.messages_read
+        deltas = self._engine_call(engine.read_outputs)
+        if deltas is None:
+            return
+        num_acked = 0
+        if engine.messages_read != read_before:
+            self._num_steps += engine.messages_read - read_before
+            # the adds sent before the previous read are in these messages' stats
+            num_acked, self._flushed = self._flushed[1], [0, self._flushed[0]]
+        self._count_failed_step(deltas)
+        self.stats = stats = self._snapshot(self._num_steps)
+        if stats.num_preemptions_total != self._preemptions_logged:
+            self._log_preemptions(stats)
+        if deltas or num_acked:
+            self._hand_offs.append(([], deltas, stats, num_acked))
+            self._take_hand_offs()
+
+    def _on_tick(self) -> None:
+        """Every `heartbeat_s`: the stats (an idle engine sends none) and liveness."""
+        self._on_engine_output()
+        if not self._stop:
+            self._tick = self._loop.call_later(self.heartbeat_s, self._on_tick)
+
+    def _call_on_loop(self, fn) -> None:
+        """fn() on the event loop: now when called there or while it is not running."""
+        loop = self._loop
+        if loop is not None and loop.is_running() and _running_loop() is not loop:
+            loop.call_soon_threadsafe(fn)
+        else:
+            fn()
+
+    def _detach_loop(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        if self._loop is None:
+            return
+        try:
+            self._loop.remove_reader(self.engine.outputs_fd)
+        except (RuntimeError, ValueError, OSError):  # the loop is closed already
+            pass
+
+    def _stop_on_loop(self) -> None:
+        if self._thread is not None:  # stopped or dead already: the engine is being closed
+            return
+        self._detach_loop()
+        self._on_dead(EngineUnavailableError("the engine was stopped"))
+        self._close_in_thread()
+
+    def _die(self, error: BaseException) -> None:
+        if self._thread is not None:
+            return
+        logger.error("engine process lost: %r", error)
+        self.dead_error = error
+        self._state = LoopState.DEAD
+        self._stop = True
+        self._detach_loop()
+        self._on_dead(error)
+        self._close_in_thread()
+
+    def _close_in_thread(self) -> None:
+        # closing waits for the engine process to exit: not on the event loop (shutdown joins it)
+        self._thread = threading.Thread(target=self._close_engine, name="roseray-engine-close", daemon=True)
+        self._thread.start()
+
     # ---- the loop (engine thread) ----------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
@@ -361,12 +506,7 @@ class AsyncLLMEngine:
         """The loop is ending: answer the run_on_engine_thread calls it will never reach."""
         for command in list(self._commands):
             if command[0] == "call":
-                _, fn, future = command
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(self.engine))
-                    except BaseException as error:  # noqa: BLE001
-                        future.set_exception(error)
+                _run_call(command[1], self.engine, command[2])
 
     def _close_engine(self) -> None:
         close = getattr(self.engine, "close", None)  # an engine process is stopped with the loop
@@ -413,12 +553,7 @@ class AsyncLLMEngine:
                     admissions.append((request_id, EngineRequestError(
                         f"the engine could not take this request ({type(error).__name__})")))
             elif command[0] == "call":
-                _, fn, future = command
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(engine))
-                    except BaseException as error:  # noqa: BLE001 - handed to the awaiting caller
-                        future.set_exception(error)
+                _run_call(command[1], engine, command[2])
             else:
                 engine.abort_request(command[1])
         return num_adds
@@ -449,3 +584,19 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _run_call(fn, engine, future: concurrent.futures.Future) -> None:
+    """future's result (or error) of fn(engine), unless it was cancelled."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn(engine))
+        except BaseException as error:  # noqa: BLE001 - handed to the awaiting caller
+            future.set_exception(error)

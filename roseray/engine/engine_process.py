@@ -425,7 +425,9 @@ class EngineProcessClient:
     """Starts the engine process and speaks for it: what AsyncLLMEngine's loop thread calls
     (`add_request`, `abort_request`, `step`, `has_unfinished_requests`, `get_stats`,
     `check_integrity`, `last_error`) plus what the server reads (`model_name`,
-    `max_model_len`, `config`, `tokenizer`). One thread (the async engine's loop) calls it;
+    `max_model_len`, `config`, `tokenizer`). One thread calls it: the async engine's loop
+    thread, or its event loop, which then reads a step's message when `outputs_fd` is
+    readable (`read_outputs`) and sends the adds of a loop iteration with `flush_commands`.
     `wake()` may come from any thread.
 
     `EngineProcessClient(config)` spawns a child of its own; `connect(config, ...)` speaks
@@ -467,6 +469,9 @@ class EngineProcessClient:
             self._commands = Connection(pipe_fds[0], readable=False)
             self._outputs = Connection(pipe_fds[1], writable=False)
         self._outputs_fd = self._outputs.fileno()
+        self._output_poller = select.poll()  # read_outputs(): is a message there now?
+        self._output_poller.register(self._outputs_fd, select.POLLIN)
+        self.messages_read = 0  # messages read so far (steps' and replies)
         self._poller = select.poll()  # step()'s wait: one poll(2) on both pipes
         self._poller.register(self._outputs_fd, select.POLLIN)
         self._poller.register(self._wake_r, select.POLLIN)
@@ -547,6 +552,28 @@ class EngineProcessClient:
         while self._readable(0):
             self._read(deltas)
         return deltas
+
+    # ---- what AsyncLLMEngine calls when its event loop drives this client (no loop thread) -----
+    @property
+    def outputs_fd(self) -> int:
+        """The output pipe: readable when the engine process has sent a message."""
+        return self._outputs_fd
+
+    def read_outputs(self) -> list[RequestDelta]:
+        """Every delta the engine process has sent so far (and any read earlier while waiting
+        for a reply), without waiting: the event loop calls this when `outputs_fd` is readable."""
+        deltas, self._backlog = self._backlog, []
+        while self._output_poller.poll(0):
+            self._read(deltas)
+        return deltas
+
+    def flush_commands(self) -> int:
+        """Send the adds held back as one message; returns how many went."""
+        if not self._adds:
+            return 0
+        num_adds = len(self._adds)
+        self._flush_adds()
+        return num_adds
 
     def _readable(self, timeout_ms: float) -> bool:
         """Whether the output pipe has a message (or its end), waiting up to `timeout_ms`
@@ -654,6 +681,7 @@ class EngineProcessClient:
             code = self._process.poll() if self._process is not None else None
             raise EngineProcessError(f"the engine process is gone (exit code {code})") from None
         self._last_message = read_at = time.monotonic()
+        self.messages_read += 1
         if message[0] == "reply":
             _, call_id, failure, self._stats = message
             self._replies[call_id] = failure
