@@ -177,10 +177,12 @@ def test_the_fanout_cost_script_measures_both_loops():
 @pytest.mark.skipif(not hasattr(__import__("fcntl"), "F_GETPIPE_SZ"), reason="Linux pipe sizes")
 def test_output_pipes_hold_many_steps_of_a_shared_engine():
     """Every busy client gets the whole step, so an output pipe must hold many steps before
-    a client that falls behind stalls the child (widen_pipe, in spawn_engine_process)."""
+    a client that falls behind stalls the child (widen_pipe, in spawn_engine_process); a
+    command pipe holds a burst of adds, which an event loop writes itself without waiting for
+    the child's next step."""
     import fcntl
 
-    from roseray.engine.engine_process import OUTPUT_PIPE_BYTES, widen_pipe
+    from roseray.engine.engine_process import COMMAND_PIPE_BYTES, OUTPUT_PIPE_BYTES, widen_pipe
 
     read_end, write_end = os.pipe()
     try:
@@ -193,6 +195,7 @@ def test_output_pipes_hold_many_steps_of_a_shared_engine():
     try:
         for commands_fd, outputs_fd in fds:
             assert fcntl.fcntl(outputs_fd, fcntl.F_GETPIPE_SZ) >= OUTPUT_PIPE_BYTES
+            assert fcntl.fcntl(commands_fd, fcntl.F_GETPIPE_SZ) >= COMMAND_PIPE_BYTES
     finally:
         for commands_fd, outputs_fd in fds:
             os.close(commands_fd)

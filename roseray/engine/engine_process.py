@@ -97,6 +97,10 @@ IDLE_STATS_INTERVAL_S = 0.25  # several clients: how often one with no requests 
 # at 0.65 ms a step) of a client falling behind (a burst of admissions, a pause) before it stalls
 # the engine for every client; 512 KiB is ~160 steps
 OUTPUT_PIPE_BYTES = 512 * 1024
+# The command pipe: an event loop that drives its engine process writes a loop iteration's adds
+# itself, and a write that does not fit waits (blocking that loop) until the child reads commands
+# between two steps. 512 KiB holds a burst of ~128 adds of 512-token prompts (~4 KB of JSON each).
+COMMAND_PIPE_BYTES = 512 * 1024
 
 
 def _dumps(message) -> bytes:
@@ -390,7 +394,7 @@ def widen_pipe(fd: int, size: int) -> int:
     try:
         return fcntl.fcntl(fd, set_size, size)
     except OSError as error:
-        logger.info("could not grow an engine output pipe to %d bytes (%s)", size, error)
+        logger.info("could not grow an engine pipe to %d bytes (%s)", size, error)
         return fcntl.fcntl(fd, get_size)
 
 
@@ -405,6 +409,7 @@ def spawn_engine_process(config: EngineConfig, num_clients: int = 1) -> tuple[su
         cmd_r, cmd_w = os.pipe()
         out_r, out_w = os.pipe()
         widen_pipe(out_w, OUTPUT_PIPE_BYTES)
+        widen_pipe(cmd_w, COMMAND_PIPE_BYTES)
         child_fds += [cmd_r, out_w]
         client_fds.append((cmd_w, out_r))
         argv += ["--commands-fd", str(cmd_r), "--outputs-fd", str(out_w)]
