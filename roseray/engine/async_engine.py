@@ -52,6 +52,8 @@ __all__ = ["AsyncLLMEngine", "AsyncEngineStats", "EngineRequestError", "EngineUn
 
 logger = logging.getLogger(__name__)
 
+INTEGRITY_POLL_S = 0.002  # how often check_integrity looks for its reply, driven by the event loop
+
 
 class LoopState(enum.Enum):
     NEW = "new"
@@ -223,12 +225,25 @@ class AsyncLLMEngine:
     async def check_integrity(self, timeout_s: float = 30.0) -> dict[str, int]:
         """Assert the engine's KV accounting (free + used = total, ref counts equal the block
         tables, no orphan rows or requests) on the loop thread; returns the block counts."""
-        def check(engine) -> dict[str, int]:
-            engine.check_integrity()
+        def counts(engine) -> dict[str, int]:
             s = engine.get_stats()
             return {"num_free_blocks": s.num_free_blocks, "num_total_blocks": s.num_total_blocks,
                     "num_running": s.num_running, "num_waiting": s.num_waiting}
 
+        def check(engine) -> dict[str, int]:
+            engine.check_integrity()
+            return counts(engine)
+
+        if self._on_loop and not self._stop:  # ask, and let the reader take the reply: the loop never waits
+            engine = self.engine
+            call_id = engine.send_integrity_check()
+            deadline = time.monotonic() + timeout_s
+            while not engine.integrity_replied(call_id):
+                if self._state is LoopState.DEAD or time.monotonic() > deadline:
+                    raise EngineUnavailableError(f"the engine process did not answer within {timeout_s:.0f} s")
+                await asyncio.sleep(INTEGRITY_POLL_S)
+            engine.take_integrity_reply(call_id)
+            return counts(engine)
         return await asyncio.wait_for(self.run_on_engine_thread(check), timeout_s)
 
     async def drain(self, timeout_s: float) -> None:

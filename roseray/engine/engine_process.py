@@ -621,14 +621,27 @@ class EngineProcessClient:
 
     def check_integrity(self, timeout_s: float = 30.0) -> None:
         """The engine's accounting check, run in the engine process between two steps."""
-        call_id = self._next_call
-        self._next_call += 1
-        self._send(["check_integrity", call_id])
+        call_id = self.send_integrity_check()
         deadline = time.monotonic() + timeout_s
         while call_id not in self._replies:
             if not self._outputs.poll(max(0.0, deadline - time.monotonic())):
                 raise EngineProcessError(f"the engine process did not answer within {timeout_s:.0f} s")
             self._read(self._backlog)
+        self.take_integrity_reply(call_id)
+
+    def send_integrity_check(self) -> int:
+        """Ask for the accounting check without waiting; its reply comes with the step
+        messages (`take_integrity_reply` once `integrity_replied`)."""
+        call_id = self._next_call
+        self._next_call += 1
+        self._send(["check_integrity", call_id])
+        return call_id
+
+    def integrity_replied(self, call_id: int) -> bool:
+        return call_id in self._replies
+
+    def take_integrity_reply(self, call_id: int) -> None:
+        """AssertionError when the check failed."""
         failure = self._replies.pop(call_id)
         if failure is not None:
             raise AssertionError(failure)
