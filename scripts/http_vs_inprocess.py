@@ -39,14 +39,17 @@ from roseray.bench.common import (engine_cpu_use, engine_time_from_metrics, engi
                                   percentiles, run_async, server_time_split)
 from roseray.bench.stream import SeedEngine, median_pass, run_seed
 from roseray.bench.stream_connection import StreamConnection, encode_post
+from roseray.server import request_trace
 from roseray.server.metrics_share import PUBLISH_INTERVAL_S
 
 
-def _request(port: int, model: str, max_tokens: int) -> bytes:
-    """One W-seed-like streaming completion, encoded once and sent as these bytes."""
+def _request(port: int, model: str, max_tokens: int, request_id: str | None = None) -> bytes:
+    """One W-seed-like streaming completion, encoded once and sent as these bytes (with an
+    x-request-id of ours when given: the request trace follows it through the server)."""
     return encode_post("127.0.0.1", port, "/v1/completions", {
         "model": model, "prompt": [15496], "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True}})
+        "stream": True, "stream_options": {"include_usage": True}},
+        None if request_id is None else {"x-request-id": request_id})
 
 
 async def _one(connection: StreamConnection, request: bytes) -> tuple[float, list[float], int, str]:
@@ -66,10 +69,19 @@ async def _client_streams(port: int, model: str, n: int, max_tokens: int, passes
         warm_up = _request(port, model, 4)
         await asyncio.gather(*[_one(connection, warm_up) for connection in connections])
         barrier.wait()  # warmed: the parent reads the server's counters after this
-        request = _request(port, model, max_tokens)
-        for _ in range(passes):
+        requests = [_request(port, model, max_tokens)] * n
+        trace = request_trace.from_env("client")  # ROSERAY_REQUEST_TRACE_DIR: each request named, its times kept
+        for burst in range(passes):
+            if trace is not None:  # ids "c<pid>-<burst>-<stream>": scripts/burst_timeline.py groups them by burst
+                ids = [f"c{os.getpid()}-{burst}-{i}" for i in range(n)]
+                requests = [_request(port, model, max_tokens, request_id) for request_id in ids]
             barrier.wait()  # every client process and the parent are ready: all streams start together
-            results.put(await asyncio.gather(*[_one(connection, request) for connection in connections]))
+            answers = await asyncio.gather(*[_one(connection, r) for connection, r in zip(connections, requests)])
+            if trace is not None:
+                for request_id, (sent, event_times, _, _) in zip(ids, answers):
+                    trace.record(request_id, "client_sent", sent)
+                    trace.record(request_id, "client_first_token", event_times[0])
+            results.put(answers)
     finally:
         for connection in connections:
             connection.close()

@@ -39,6 +39,11 @@ trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left 
 
 # CLIENT_PROCS: client processes sharing the streams (see http_vs_inprocess.py --help)
 sizes=(--model "$MODEL" --num-requests "$NUM_REQUESTS" --max-tokens "$MAX_TOKENS" --client-processes "${CLIENT_PROCS:-4}")
+# TRACE=1: every request's timeline (roseray/server/request_trace.py) from the load generator, the
+# Routers and the API processes into $OUT/trace, then scripts/burst_timeline.py prints where each
+# burst's time went (set before Ray starts: its workers inherit it)
+if [ "${TRACE:-0}" = 1 ]; then export ROSERAY_REQUEST_TRACE_DIR=$OUT/trace; rm -rf "$OUT/trace"; fi
+timeline() { [ "${TRACE:-0}" = 1 ] || return 0; sleep 1; python scripts/burst_timeline.py "$OUT/trace" --json "$OUT/burst_timeline.json"; }
 # PROBE=1: before the measure, where a burst's TTFT goes (scripts/ray_burst_probe.py: the whole path
 # through HAProxy, the Router's decisions alone, the replica's own port with tickets signed here)
 if [ "${PROBE:-0}" = 1 ]; then export TICKET_SECRET=${TICKET_SECRET:-$(python -c "import secrets; print(secrets.token_hex(16))")}; fi
@@ -51,10 +56,13 @@ fi
 if [ "$INTERLEAVE" = 1 ]; then
   python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --passes "$PASSES" --interleave \
       --engine-args "$ENGINE" --out "$OUT/ray_vs_inprocess.json" 2>&1 | grep -v " INFO "
-  exit "${PIPESTATUS[0]}"
+  status=${PIPESTATUS[0]}
+  timeline
+  exit "$status"
 fi
 python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --passes "$PASSES" --out "$OUT/ray_http.json" \
     || { echo "the HTTP half failed"; exit 1; }
+timeline
 stop_server
 python scripts/http_vs_inprocess.py "${sizes[@]}" --against-http "$OUT/ray_http.json" --engine-args "$ENGINE" \
     --out "$OUT/ray_vs_inprocess.json" 2>&1 | grep -v " INFO "

@@ -14,6 +14,8 @@ from roseray.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 class FakeServer:
+    trace = None  # request_trace off
+
     def __init__(self, error: APIError | None = None) -> None:
         self.bodies = []
         self.error = error

@@ -42,14 +42,14 @@ def parse(answer: bytes) -> tuple[int, dict, bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
-def run_with_server(scenario, *, calls=None, error=None, max_body=1024):
+def run_with_server(scenario, *, calls=None, error=None, max_body=1024, trace=None):
     """Run `scenario(port)` against a RouteProtocol server on a loopback socket."""
 
     app = endpoint(calls, error)
 
     async def main():
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: router_server.RouteProtocol(app, max_body), "127.0.0.1", 0)
+        server = await loop.create_server(lambda: router_server.RouteProtocol(app, max_body, trace), "127.0.0.1", 0)
         try:
             return await scenario(server.sockets[0].getsockname()[1])
         finally:
@@ -84,6 +84,22 @@ def test_answers_haproxys_lua_request_with_the_pick_and_a_ticket():
     assert calls == [(body, "sess", "34/99"), (b"", None, None)]
     second_ticket = json.loads(parse(second)[2])[wiring.HEADERS_FIELD][TICKET_HEADER]
     assert TicketSigner(SECRET).verify(second_ticket, "req-2") is None
+
+
+def test_a_request_trace_gets_when_each_route_request_was_accepted_and_answered():
+    class Trace:
+        def __init__(self):
+            self.events = []
+
+        def record(self, request_id, event, at=None):
+            self.events.append((request_id, event, time.monotonic() if at is None else at))
+
+    trace = Trace()
+    before = time.monotonic()
+    answer = run_with_server(lambda port: exchange(port, lua_request(b"{}", "c1-2-3")), trace=trace)
+    assert parse(answer)[0] == 200
+    assert [e[:2] for e in trace.events] == [("c1-2-3", "router_accepted"), ("c1-2-3", "router_answered")]
+    assert before <= trace.events[0][2] <= trace.events[1][2] <= time.monotonic()
 
 
 def test_400_without_request_id_and_503_when_no_replica():

@@ -29,10 +29,13 @@ import logging
 import os
 import socket
 import threading
+import time
 
 from roseray.serve import wiring
 from roseray.serve.replica_port import listening_socket_fd, wait_until_listed
 from roseray.serve.router_endpoint import RouterEndpoint, content_type
+from roseray.server import request_trace
+from roseray.server.request_trace import RequestTrace, header_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +90,14 @@ def parse_head(head: bytes) -> tuple[str, str, list[tuple[bytes, bytes]], int]:
 class RouteProtocol(asyncio.Protocol):
     """One connection: one request, answered by `endpoint.respond`, then closed."""
 
-    __slots__ = ("endpoint", "max_body", "transport", "buffer", "need", "request", "timer", "task")
+    __slots__ = ("endpoint", "max_body", "transport", "buffer", "need", "request", "timer", "task", "trace",
+                 "accepted")
 
-    def __init__(self, endpoint: RouterEndpoint, max_body: int) -> None:
+    def __init__(self, endpoint: RouterEndpoint, max_body: int, trace: RequestTrace | None = None) -> None:
         self.endpoint = endpoint
         self.max_body = max_body
+        self.trace = trace  # request_trace: router_accepted / router_answered per request id
+        self.accepted = 0.0
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.need = -1  # body bytes expected; -1 until the head has arrived
@@ -101,6 +107,8 @@ class RouteProtocol(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if self.trace is not None:
+            self.accepted = time.monotonic()
         self.timer = asyncio.get_running_loop().call_later(READ_TIMEOUT_S, transport.abort)
 
     def data_received(self, data: bytes) -> None:
@@ -142,6 +150,10 @@ class RouteProtocol(asyncio.Protocol):
         try:
             status, answer = await self.endpoint.respond(method, path, headers, body)
             kind = content_type(path)
+            if self.trace is not None:
+                request_id = header_request_id(headers)
+                self.trace.record(request_id, "router_accepted", self.accepted)
+                self.trace.record(request_id, "router_answered")
         except Exception:  # noqa: BLE001 - one request's bug is its 500, not the server's end
             logger.exception("/internal/route: error answering %s %s", method, path)
             status, answer, kind = 500, _INTERNAL, _JSON
@@ -205,6 +217,7 @@ class LeanRouterServer:
         if not wiring.close_serve_listener(port):
             raise RuntimeError(f"Serve's server on port {port} was not found")
         self.endpoint.health = health
-        self.server = await self.loop.create_server(lambda: RouteProtocol(self.endpoint, self.max_body),
+        trace = request_trace.from_env("router")
+        self.server = await self.loop.create_server(lambda: RouteProtocol(self.endpoint, self.max_body, trace),
                                                     sock=sock, backlog=BACKLOG)
         self.port = port

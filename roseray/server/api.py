@@ -32,6 +32,7 @@ from roseray.sampling_params import SamplingParams
 from roseray.server.auth import ApiKeyMiddleware
 from roseray.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from roseray.server.errors import APIError, error_body, install_error_handlers, param_of
+from roseray.server import request_trace
 from roseray.server.fast_routes import GenerationFastPath
 from roseray.server.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from roseray.server.metrics_share import MetricsShare
@@ -106,6 +107,7 @@ class OpenAIServer:
         self._id_prefix, self._id_numbers = secrets.token_hex(8), itertools.count()
         self.token_text = TokenText(lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
         self.created = int(time.time())
+        self.trace = request_trace.from_env("api")  # None unless ROSERAY_REQUEST_TRACE_DIR is set
 
     # ---- probes and listings --------------------------------------------------------------------
     async def health(self) -> Response:
@@ -199,6 +201,8 @@ class OpenAIServer:
         is_chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{self._id_prefix}{next(self._id_numbers):08x}"
         arrival = time.monotonic()
+        if self.trace is not None:
+            self.trace.record(http_request.headers.get("x-request-id", ""), "admitted", arrival)
         if self.log_prompts:
             logger.info("request %s prompt (%d tokens): %r", request_id, len(prompt_ids),
                         self.tokenizer.decode(prompt_ids))

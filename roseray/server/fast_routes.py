@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from roseray.server.body_limit import replay_receive
 from roseray.server.errors import APIError, error_response
 from roseray.server.protocol import ChatCompletionRequest, CompletionRequest
+from roseray.server.request_trace import header_request_id
 
 _ROUTES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
                                        "/v1/chat/completions": ChatCompletionRequest}
@@ -29,12 +30,15 @@ class GenerationFastPath:
     def __init__(self, app, server) -> None:
         self.app = app
         self.server = server  # roseray.server.api.OpenAIServer
+        self.trace = server.trace  # request_trace: None unless tracing is on
 
     async def __call__(self, scope, receive, send) -> None:
         model = _ROUTES.get(_route_path(scope)) if scope["type"] == "http" and scope["method"] == "POST" else None
         if model is None or not _is_json(scope):
             await self.app(scope, receive, send)
             return
+        if self.trace is not None:
+            self.trace.record(header_request_id(scope["headers"]), "api_received")
         messages = [await receive()]
         while messages[-1]["type"] == "http.request" and messages[-1].get("more_body", False):
             messages.append(await receive())
