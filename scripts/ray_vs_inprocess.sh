@@ -33,6 +33,8 @@ python -c "import roseray_kernels" 2>/dev/null \
 eval "$(python -m roseray.serve.haproxy_env --router-replicas-per-node "${ROUTERS:-auto}")"  # ROUTERS: Router replicas (auto: 4 with GPUs)
 # HAPROXY_THREADS: HAProxy's nbthread (Ray 2.60's default: 4), read when Ray starts
 if [ -n "${HAPROXY_THREADS:-}" ]; then export RAY_SERVE_HAPROXY_NBTHREAD=$HAPROXY_THREADS; fi
+# SPLICE=0: HAProxy copies the streams with recv/send instead of Ray's splice options (haproxy_env.py)
+if [ "${SPLICE:-1}" = 0 ]; then export ROSERAY_HAPROXY_SPLICE=0; fi
 source scripts/ray_app.sh
 trap 'stop_server' EXIT
 trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left behind

@@ -83,6 +83,20 @@ def test_haproxy_template_side_binds_are_what_the_loopback_wrapper_rewrites(tmp_
     assert oct(os.stat(tmp_path / "hap").st_mode & 0o777) == "0o700"
 
 
+def test_the_wrapper_drops_the_splice_options_only_when_told(tmp_path, monkeypatch):
+    assert re.search(r"option splice-request\s+option splice-response", inspect.getsource(haproxy_templates))
+    config = ("defaults\n    mode http\n    option splice-request\n    option splice-response\n"
+              "    option http-no-delay\n")
+    wrapper = haproxy_env.write_wrapper(str(tmp_path / "hap"), real_binary="/bin/true")
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(config)
+    subprocess.run([wrapper, "-f", str(cfg)], check=True, timeout=30)
+    assert cfg.read_text() == config  # Ray's options by default
+    monkeypatch.setenv(haproxy_env.SPLICE_ENV, "0")
+    subprocess.run([wrapper, "-f", str(cfg)], check=True, timeout=30)
+    assert cfg.read_text() == "defaults\n    mode http\n    option http-no-delay\n"
+
+
 def test_serve_proxy_fallback_is_recognised_by_its_port():
     from ray.serve._private import proxy_state
 

@@ -39,6 +39,11 @@ What it sets:
                                                     ~11 ms (BENCHMARKS.md), else 1. router.num_replicas: auto
                                                     follows it; a number there must say the same
 The client-facing bind is `http_options.host` of serve_config.yaml (127.0.0.1 there).
+
+An experiment switch, read by the wrapper when HAProxy starts (so: in the environment when Ray
+starts): ROSERAY_HAPROXY_SPLICE=0 drops Ray's `option splice-request` / `option splice-response`,
+so that HAProxy copies the streams' small SSE chunks with recv/send instead of splicing them
+through kernel pipes (scripts/ray_vs_inprocess.sh: SPLICE=0).
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ ROUTER_BODY_BYTES = 64 * 1024
 # Ray 2.60 runs this many Router (ingress request router) replicas on each node with a proxy,
 # whatever the Router deployment's num_replicas says (DeploymentState._reconcile_ingress_request_router).
 ROUTER_REPLICAS_ENV = "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"
+
+# "0": the wrapper drops Ray's splice options from HAProxy's config (an experiment switch, read
+# when HAProxy starts)
+SPLICE_ENV = "ROSERAY_HAPROXY_SPLICE"
 
 # Router replicas per node where the node has NVIDIA GPUs (--router-replicas-per-node auto).
 GPU_ROUTER_REPLICAS = 4
@@ -109,10 +118,12 @@ def _router_count(text: str) -> int:
 _WRAPPER = r'''#!{python}
 # Written by roseray.serve.haproxy_env: exec Ray's HAProxy after moving the stats and
 # Prometheus listeners of its config to loopback, closing the admin socket's mode and
-# letting the routed backends retry an empty response.
+# letting the routed backends retry an empty response (and, with ROSERAY_HAPROXY_SPLICE=0,
+# dropping the splice options).
 import os, re, sys
 REAL = {real!r}
 RETRY_ON = {retry_on!r}
+SPLICE = os.environ.get("{splice_env}", "1") != "0"
 args = sys.argv[1:]
 for i, arg in enumerate(args[:-1]):
     if arg == "-f" and os.path.isfile(args[i + 1]):
@@ -126,6 +137,8 @@ for i, arg in enumerate(args[:-1]):
             if section in ("frontend prometheus", "listen stats"):
                 line = re.sub(r"^(\s*bind\s+)(\*|0\.0\.0\.0|::)?:", r"\g<1>127.0.0.1:", line)
             line = re.sub(r"^(\s*stats socket\s+\S+\s+mode\s+)666\b", r"\g<1>600", line)
+            if not SPLICE and re.match(r"^\s*option\s+splice-(request|response)\s*$", line):
+                continue
             out.append(line)
             routed = section.startswith("backend ") and section.endswith("-via-ingress-request-router")
             if routed and line.startswith("backend ") and lines[j + 1:j + 2] != ["    retry-on " + RETRY_ON]:
@@ -153,7 +166,8 @@ def write_wrapper(state_dir: str, real_binary: str | None = None) -> str:
     os.chmod(state_dir, 0o700)
     path = os.path.join(state_dir, "haproxy")
     with open(path, "w") as f:
-        f.write(_WRAPPER.format(python=sys.executable, real=real_binary or find_haproxy(), retry_on=RETRY_ON))
+        f.write(_WRAPPER.format(python=sys.executable, real=real_binary or find_haproxy(), retry_on=RETRY_ON,
+                                splice_env=SPLICE_ENV))
     os.chmod(path, 0o700)
     return path
 
