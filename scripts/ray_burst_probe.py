@@ -12,6 +12,9 @@ Legs (each a burst of N sent together over connections opened beforehand, unless
   engine    the same streams straight to the Engine replica's port with a ticket signed
             here (needs the app's ticket_secret): TTFT without HAProxy and the Router
   (--standalone-port P: the same streams to a `roseray serve` on P)
+One client process opens and sends every request: at -n 128 it measures mostly itself (on the
+H100 host even the route leg's fastest answer took 12 ms). For where a real burst's time goes,
+use the request trace instead (`TRACE=1 bash scripts/ray_vs_inprocess.sh`, burst_timeline.py).
 The app must be running (serve run ...). Ports of the Router and Engine replicas come from
 the Serve controller (connects to the local Ray with ray.init(address="auto")).
 """
