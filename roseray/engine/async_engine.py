@@ -206,16 +206,11 @@ class AsyncLLMEngine:
 
     def run_on_engine_thread(self, fn: Callable[[SteppableEngine], Any]) -> "asyncio.Future":
         """Run `fn(engine)` on the loop thread between two steps (where the engine may be
-        touched; driven by the event loop: on it, between two reads of step messages); await
-        the returned future for its result. Without a running loop (not started, stopped,
-        dead) `fn` runs here, at once."""
+        touched); await the returned future for its result. Without a running loop thread
+        (not started, stopped, dead, or driven by the event loop: call it from that loop)
+        `fn` runs here, at once."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if self._on_loop and not self._stop:  # on the event loop, between two reads of step messages
-            def call() -> None:
-                _run_call(fn, self.engine, future)
-                self._on_engine_output()  # the step messages read while waiting for a reply
-            self._call_on_loop(call)
-        elif self._thread is None or not self._thread.is_alive() or self._stop:
+        if self._thread is None or not self._thread.is_alive() or self._stop:
             _run_call(fn, self.engine, future)
         else:
             self._commands.append(("call", fn, future))

@@ -36,10 +36,9 @@ class RequestTrace:
     def __init__(self, directory: str, name: str) -> None:
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, f"{name}-{os.getpid()}.jsonl")
-        self._events: list[tuple[str, str, float]] = []
-        self._written = 0
+        self._events: list[tuple[str, str, float]] = []  # recorded and not written yet
         self._last = 0.0
-        self._lock = threading.Lock()  # record() against the writer's slice
+        self._lock = threading.Lock()  # record() against the writer taking the list
         threading.Thread(target=self._write_when_idle, name="roseray-request-trace", daemon=True).start()
 
     def record(self, request_id: str, event: str, at: float | None = None) -> None:
@@ -50,7 +49,7 @@ class RequestTrace:
 
     def flush(self) -> None:
         with self._lock:
-            new, self._written = self._events[self._written:], len(self._events)
+            new, self._events = self._events, []
         if new:
             with open(self.path, "a") as f:
                 f.writelines(json.dumps(event) + "\n" for event in new)
@@ -58,7 +57,7 @@ class RequestTrace:
     def _write_when_idle(self) -> None:
         while True:
             time.sleep(POLL_S)
-            if len(self._events) != self._written and time.monotonic() - self._last > IDLE_S:
+            if self._events and time.monotonic() - self._last > IDLE_S:
                 self.flush()
 
 
