@@ -232,3 +232,30 @@ def test_the_server_admission_cost_script_runs():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "4 streaming requests at once: server CPU" in done.stdout
+
+
+def test_the_host_cpu_noise_script_measures_every_cpu_and_every_load(tmp_path):
+    """scripts/host_cpu_noise.py (the busy-CPU figures in BENCHMARKS.md) times its loop on
+    every CPU it may use and runs engine bursts under each number of spinning processes,
+    which it stops again."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    import psutil
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "host_cpu_noise.py"
+    out = tmp_path / "noise.json"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    done = subprocess.run([sys.executable, str(script), "--busy", "0", "1", "--rounds", "2", "--bursts", "1",
+                           "--model", "random:gpt2", "--num-requests", "2", "--max-tokens", "2",
+                           "--engine-args", '{"num_kv_blocks": 32}', "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert sorted(int(cpu) for cpu in result["vcpu_loop_ms"]) == sorted(os.sched_getaffinity(0))
+    assert all(ms > 0 for ms in result["vcpu_loop_ms"].values())
+    assert {n: len(runs) for n, runs in result["engine"].items()} == {"0": 2, "1": 2}  # one burst per round
+    assert all(run["throughput_tok_s"] > 0 for runs in result["engine"].values() for run in runs)
+    assert " 1 busy processes:" in done.stdout and "slowest / fastest CPU" in done.stdout
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # no spinner left
