@@ -452,11 +452,7 @@ class AsyncLLMEngine:
             pass
 
     def _stop_on_loop(self) -> None:
-        if self._thread is not None:  # stopped or dead already: the engine is being closed
-            return
-        self._detach_loop()
-        self._on_dead(EngineUnavailableError("the engine was stopped"))
-        self._close_in_thread()
+        self._end_on_loop(EngineUnavailableError("the engine was stopped"))
 
     def _die(self, error: BaseException) -> None:
         if self._thread is not None:
@@ -465,12 +461,16 @@ class AsyncLLMEngine:
         self.dead_error = error
         self._state = LoopState.DEAD
         self._stop = True
+        self._end_on_loop(error)
+
+    def _end_on_loop(self, error: BaseException) -> None:
+        """Stop reading the engine, fail the open streams with `error` and close the engine
+        process in a thread (closing waits for it to exit: not on the event loop; shutdown
+        joins that thread). Once only: the thread marks it done."""
+        if self._thread is not None:
+            return
         self._detach_loop()
         self._on_dead(error)
-        self._close_in_thread()
-
-    def _close_in_thread(self) -> None:
-        # closing waits for the engine process to exit: not on the event loop (shutdown joins it)
         self._thread = threading.Thread(target=self._close_engine, name="roseray-engine-close", daemon=True)
         self._thread.start()
 

@@ -202,7 +202,7 @@ class OpenAIServer:
         request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{self._id_prefix}{next(self._id_numbers):08x}"
         arrival = time.monotonic()
         if self.trace is not None:
-            self.trace.record(http_request.headers.get("x-request-id", ""), "admitted", arrival)
+            self.trace.record(request_trace.header_request_id(http_request.scope["headers"]), "admitted", arrival)
         if self.log_prompts:
             logger.info("request %s prompt (%d tokens): %r", request_id, len(prompt_ids),
                         self.tokenizer.decode(prompt_ids))
