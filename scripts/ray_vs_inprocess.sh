@@ -35,6 +35,10 @@ eval "$(python -m roseray.serve.haproxy_env --router-replicas-per-node "${ROUTER
 if [ -n "${HAPROXY_THREADS:-}" ]; then export RAY_SERVE_HAPROXY_NBTHREAD=$HAPROXY_THREADS; fi
 # SPLICE=0: HAProxy copies the streams with recv/send instead of Ray's splice options (haproxy_env.py)
 if [ "${SPLICE:-1}" = 0 ]; then export ROSERAY_HAPROXY_SPLICE=0; fi
+# REUSE=never: HAProxy opens a connection to the replica per request (haproxy_env.py), instead of reusing
+if [ -n "${REUSE:-}" ]; then export ROSERAY_HAPROXY_REUSE=$REUSE; fi
+# ADD_FLUSH=iteration: the API processes hold every add to the end of its loop iteration (async_engine.py)
+if [ -n "${ADD_FLUSH:-}" ]; then export ROSERAY_ADD_FLUSH=$ADD_FLUSH; fi
 source scripts/ray_app.sh
 trap 'stop_server' EXIT
 trap 'exit 130' INT; trap 'exit 143' TERM  # through the EXIT trap: no Ray left behind

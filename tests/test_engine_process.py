@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from roseray.config import EngineConfig
+from roseray.engine import async_engine
 from roseray.engine.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState
 from roseray.engine.engine import EngineStats
 from roseray.engine.engine_process import EngineProcessClient, EngineProcessError, _apply, _loads, encode_step
@@ -288,6 +289,37 @@ def test_started_on_an_event_loop_the_engine_process_is_driven_by_it():
     assert not off_loop._on_loop and off_loop._thread.is_alive()
     off_loop.stop()
     off_loop._thread.join(15)
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_while_the_engine_steps_an_add_goes_at_once(monkeypatch, hold):
+    """The engine process takes commands between steps: once it steps, an add held to the end
+    of a busy loop iteration could miss steps, so each goes at once (an idle engine still gets
+    one iteration's adds as one message: the test above). ROSERAY_ADD_FLUSH=iteration, the
+    experiment switch, holds them as before."""
+    if hold:
+        monkeypatch.setenv(async_engine.ADD_FLUSH_ENV, "iteration")
+
+    async def main():
+        engine = AsyncLLMEngine.from_engine_config(config(engine_process=True), heartbeat_s=0.1)
+        engine.start()
+        sent = []
+        send_bytes = engine.engine._commands.send_bytes
+        engine.engine._commands.send_bytes = lambda data: (sent.append(_loads(data)), send_bytes(data))[1]
+        long = await engine.add_request("long", [1, 2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        tokens = long.__aiter__()
+        await tokens.__anext__()  # it runs: the stats say so
+        assert engine.stats.num_running == 1 and [m[0] for m in sent] == ["add"]
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        streams = [await engine.add_request(f"r{i}", [3 + i, 2], params) for i in range(3)]
+        assert [(m[0], len(m[1])) for m in sent[1:]] == ([] if hold else [("add", 1)] * 3)
+        for stream in streams:
+            assert len([t async for deltas in stream for d in deltas for t in d.new_token_ids]) == 2
+        assert [(m[0], len(m[1])) for m in sent[1:]] == ([("add", 3)] if hold else [("add", 1)] * 3)
+        long.close()
+        await engine.shutdown()
+
+    asyncio.run(main())
 
 
 def test_a_step_message_sends_a_single_token_bare_and_a_list_otherwise():

@@ -97,6 +97,21 @@ def test_the_wrapper_drops_the_splice_options_only_when_told(tmp_path, monkeypat
     assert cfg.read_text() == "defaults\n    mode http\n    option http-no-delay\n"
 
 
+def test_the_wrapper_sets_the_routed_backends_reuse_mode_only_when_told(tmp_path, monkeypatch):
+    assert "http-reuse always" in inspect.getsource(haproxy_templates)
+    config = ("backend app-via-ingress-request-router\n    retry-on conn-failure empty-response\n"
+              "    http-reuse always\n    server r1 127.0.0.1:30001\n"
+              "backend app\n    http-reuse always\n")
+    wrapper = haproxy_env.write_wrapper(str(tmp_path / "hap"), real_binary="/bin/true")
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(config)
+    subprocess.run([wrapper, "-f", str(cfg)], check=True, timeout=30)
+    assert cfg.read_text() == config  # Ray's mode by default
+    monkeypatch.setenv(haproxy_env.REUSE_ENV, "never")
+    subprocess.run([wrapper, "-f", str(cfg)], check=True, timeout=30)
+    assert cfg.read_text() == config.replace("always\n    server", "never\n    server")  # the routed backend only
+
+
 def test_serve_proxy_fallback_is_recognised_by_its_port():
     from ray.serve._private import proxy_state
 

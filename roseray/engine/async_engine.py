@@ -12,10 +12,14 @@ and wakes every `heartbeat_s` to prove it is alive.
 
 An engine in another process (EngineProcessClient) is driven by the event loop itself when
 `start()` runs on one: no loop thread. The loop reads each step's message when the output
-pipe is readable and applies it right there (the same hand-off code), and sends the adds of
-one loop iteration as one message at its end. A thread would have to win the GIL back from
-a busy event loop after every pipe read and write (a convoy): while an API process admitted
-a burst, its adds reached the engine 1-4 ms late, and the burst took steps more (issue 4).
+pipe is readable and applies it right there (the same hand-off code). While the engine
+is idle, the adds of one loop iteration go as one message at its end (a burst's first
+step schedules them together); while it steps, each add goes at once: the engine process
+takes commands between steps, and an add held to the end of an iteration that admits a
+dozen requests and writes a step's streams misses steps it could have made. A thread would
+have to win the GIL back from a busy event loop after every pipe read and write (a convoy):
+while an API process admitted a burst, its adds reached the engine 1-4 ms late, and the
+burst took steps more (issue 4).
 
 A stream that is closed early (cancelled handler, client gone) aborts its request;
 the abort is applied at the top of the next iteration, so its KV blocks are free
@@ -34,6 +38,7 @@ import collections
 import concurrent.futures
 import enum
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -52,6 +57,9 @@ __all__ = ["AsyncLLMEngine", "AsyncEngineStats", "EngineRequestError", "EngineUn
 
 logger = logging.getLogger(__name__)
 
+# Experiment switch (issue 4's A/B on the GPU host): "iteration" holds every add to the end of
+# its loop iteration, as before the adds of a stepping engine went at once
+ADD_FLUSH_ENV = "ROSERAY_ADD_FLUSH"
 INTEGRITY_POLL_S = 0.002  # how often check_integrity looks for its reply, driven by the event loop
 
 
@@ -145,6 +153,7 @@ class AsyncLLMEngine:
         self._tick: asyncio.TimerHandle | None = None
         self._num_steps = 0  # step messages read (the event loop's num_steps_total)
         self._flushed = [0, 0]  # adds sent since the last read of step messages, and before it
+        self._hold_adds = os.environ.get(ADD_FLUSH_ENV) == "iteration"  # see ADD_FLUSH_ENV
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, **kwargs) -> "AsyncLLMEngine":
@@ -374,7 +383,7 @@ class AsyncLLMEngine:
         self._loop = loop
 
     def _add_on_loop(self, stream: RequestStream, prompt, sampling_params: SamplingParams, arrival: float) -> None:
-        """Check and hold the add (sent with the others of this loop iteration at its end)."""
+        """Check the add and send it: now while the engine steps, else at this loop iteration's end."""
         request_id = stream.request_id
         try:
             self.engine.add_request(request_id, prompt, sampling_params, arrival_time=arrival)
@@ -387,9 +396,17 @@ class AsyncLLMEngine:
             logger.exception("add_request failed")
             raise EngineRequestError(f"the engine could not take this request ({type(error).__name__})") from None
         stream._admitted.set_result(None)
-        if not self._flush_scheduled:
+        if self._engine_stepping() and not self._hold_adds:
+            self._flush_commands()  # its next step takes it (see the module docstring)
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush_commands)
+
+    def _engine_stepping(self) -> bool:
+        """Whether the engine process has requests, as far as this side knows: its last
+        stats say so, or adds went since the step messages before the last read."""
+        stats = self.stats
+        return bool(stats.num_running or stats.num_waiting or self._flushed[0] or self._flushed[1])
 
     def _flush_commands(self) -> None:
         self._flush_scheduled = False

@@ -43,7 +43,8 @@ The client-facing bind is `http_options.host` of serve_config.yaml (127.0.0.1 th
 An experiment switch, read by the wrapper when HAProxy starts (so: in the environment when Ray
 starts): ROSERAY_HAPROXY_SPLICE=0 drops Ray's `option splice-request` / `option splice-response`,
 so that HAProxy copies the streams' small SSE chunks with recv/send instead of splicing them
-through kernel pipes (scripts/ray_vs_inprocess.sh: SPLICE=0).
+through kernel pipes (scripts/ray_vs_inprocess.sh: SPLICE=0). ROSERAY_HAPROXY_REUSE=<mode> sets the
+routed backends' `http-reuse` (Ray's: always; scripts/ray_vs_inprocess.sh: REUSE=never).
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ ROUTER_BODY_BYTES = 64 * 1024
 # Ray 2.60 runs this many Router (ingress request router) replicas on each node with a proxy,
 # whatever the Router deployment's num_replicas says (DeploymentState._reconcile_ingress_request_router).
 ROUTER_REPLICAS_ENV = "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"
+
+# an HAProxy http-reuse mode for the routed backends instead of Ray's "always" (an experiment
+# switch, read when HAProxy starts): "never" opens a connection to the replica per request, which
+# the first free API process accepts, instead of reusing those opened in a warm-up
+REUSE_ENV = "ROSERAY_HAPROXY_REUSE"
 
 # "0": the wrapper drops Ray's splice options from HAProxy's config (an experiment switch, read
 # when HAProxy starts)
@@ -124,6 +130,7 @@ import os, re, sys
 REAL = {real!r}
 RETRY_ON = {retry_on!r}
 SPLICE = os.environ.get("{splice_env}", "1") != "0"
+REUSE = os.environ.get("{reuse_env}", "")
 args = sys.argv[1:]
 for i, arg in enumerate(args[:-1]):
     if arg == "-f" and os.path.isfile(args[i + 1]):
@@ -139,8 +146,10 @@ for i, arg in enumerate(args[:-1]):
             line = re.sub(r"^(\s*stats socket\s+\S+\s+mode\s+)666\b", r"\g<1>600", line)
             if not SPLICE and re.match(r"^\s*option\s+splice-(request|response)\s*$", line):
                 continue
-            out.append(line)
             routed = section.startswith("backend ") and section.endswith("-via-ingress-request-router")
+            if routed and REUSE and re.match(r"^\s*http-reuse\s", line):
+                line = "    http-reuse " + REUSE
+            out.append(line)
             if routed and line.startswith("backend ") and lines[j + 1:j + 2] != ["    retry-on " + RETRY_ON]:
                 out.append("    retry-on " + RETRY_ON)
         with open(path, "w") as f:
@@ -167,7 +176,7 @@ def write_wrapper(state_dir: str, real_binary: str | None = None) -> str:
     path = os.path.join(state_dir, "haproxy")
     with open(path, "w") as f:
         f.write(_WRAPPER.format(python=sys.executable, real=real_binary or find_haproxy(), retry_on=RETRY_ON,
-                                splice_env=SPLICE_ENV))
+                                splice_env=SPLICE_ENV, reuse_env=REUSE_ENV))
     os.chmod(path, 0o700)
     return path
 
