@@ -87,14 +87,18 @@ def test_the_wrapper_drops_the_splice_options_only_when_told(tmp_path, monkeypat
     assert re.search(r"option splice-request\s+option splice-response", inspect.getsource(haproxy_templates))
     config = ("defaults\n    mode http\n    option splice-request\n    option splice-response\n"
               "    option http-no-delay\n")
+    assert _through_the_wrapper(tmp_path, config) == config  # Ray's options by default
+    monkeypatch.setenv(haproxy_env.SPLICE_ENV, "0")
+    assert _through_the_wrapper(tmp_path, config) == "defaults\n    mode http\n    option http-no-delay\n"
+
+
+def _through_the_wrapper(tmp_path, config: str) -> str:
+    """The HAProxy config `config` as the wrapper leaves it (with /bin/true as HAProxy)."""
     wrapper = haproxy_env.write_wrapper(str(tmp_path / "hap"), real_binary="/bin/true")
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text(config)
     subprocess.run([wrapper, "-f", str(cfg)], check=True, timeout=30)
-    assert cfg.read_text() == config  # Ray's options by default
-    monkeypatch.setenv(haproxy_env.SPLICE_ENV, "0")
-    subprocess.run([wrapper, "-f", str(cfg)], check=True, timeout=30)
-    assert cfg.read_text() == "defaults\n    mode http\n    option http-no-delay\n"
+    return cfg.read_text()
 
 
 def test_the_wrapper_sets_the_routed_backends_reuse_mode_only_when_told(tmp_path, monkeypatch):
@@ -102,14 +106,10 @@ def test_the_wrapper_sets_the_routed_backends_reuse_mode_only_when_told(tmp_path
     config = ("backend app-via-ingress-request-router\n    retry-on conn-failure empty-response\n"
               "    http-reuse always\n    server r1 127.0.0.1:30001\n"
               "backend app\n    http-reuse always\n")
-    wrapper = haproxy_env.write_wrapper(str(tmp_path / "hap"), real_binary="/bin/true")
-    cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(config)
-    subprocess.run([wrapper, "-f", str(cfg)], check=True, timeout=30)
-    assert cfg.read_text() == config  # Ray's mode by default
+    assert _through_the_wrapper(tmp_path, config) == config  # Ray's mode by default
     monkeypatch.setenv(haproxy_env.REUSE_ENV, "never")
-    subprocess.run([wrapper, "-f", str(cfg)], check=True, timeout=30)
-    assert cfg.read_text() == config.replace("always\n    server", "never\n    server")  # the routed backend only
+    # the routed backend's only
+    assert _through_the_wrapper(tmp_path, config) == config.replace("always\n    server", "never\n    server")
 
 
 def test_serve_proxy_fallback_is_recognised_by_its_port():

@@ -18,10 +18,11 @@ multiprocessing start-method magic, no pickle: every message is a JSON list fram
                                                           (after every step with requests)
                        ["reply", call_id, error_message_or_null, stats]
 
-The client holds back the adds of one loop iteration and sends them as one "add"
-(before any other command, so an abort never overtakes its add): a burst of new requests
-costs one message and one wake-up of the child, which applies all of them before its next
-step and so schedules them as one batch. `sampling_params` holds only the fields that
+The client holds back adds until `flush_commands` (or any other command) and sends them as
+one "add" (an abort never overtakes its add). The async engine flushes at the end of a loop
+iteration while the engine is idle, so a burst of new requests costs one message and one
+wake-up of the child, which applies all of them before its next step and so schedules them
+as one batch; while the engine steps it flushes each add at once (async_engine.py). `sampling_params` holds only the fields that
 differ from SamplingParams' defaults.
 
 Requests are named by short handles ("0", "1", ...) that the client maps back to the
