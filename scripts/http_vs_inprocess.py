@@ -299,8 +299,11 @@ def _engine_text(run: dict) -> str:
         text += (f"; engine step {run['engine_step_us']:.0f} us + output {run['engine_output_us']:.0f} us "
                  f"({run['engine_steps']} steps)")
     if "engine_process_cpu_s" in run:
-        text += (f"; engine process {run['engine_process_cpu_s'] * 1e3:.0f} ms on CPU, "
-                 f"{run['engine_process_runqueue_wait_s'] * 1e3:.1f} ms waiting for one")
+        text += f"; engine process {run['engine_process_cpu_s'] * 1e3:.0f} ms on CPU"
+        if run.get("engine_process_runqueue_wait_s"):  # zero where the kernel keeps no schedstats
+            text += f", {run['engine_process_runqueue_wait_s'] * 1e3:.1f} ms waiting for one"
+        if "engine_process_involuntary_switches" in run:
+            text += f", taken off its CPU {run['engine_process_involuntary_switches']} times"
     return text
 
 

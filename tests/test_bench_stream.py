@@ -3,13 +3,14 @@ the engine process's CPU time and run-queue wait read from /proc."""
 
 import asyncio
 import os
+import subprocess
 import sys
 import time
 
 import pytest
 
 from roseray.bench import stream
-from roseray.bench.common import cpu_and_wait_s, engine_cpu_use
+from roseray.bench.common import cpu_and_wait_s, engine_cpu_use, involuntary_switches
 from roseray.sampling_params import SamplingParams
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/schedstat")
@@ -49,8 +50,29 @@ def test_engine_cpu_use_fills_its_dict_only_with_a_process():
         deadline = time.process_time() + 0.03
         while time.process_time() < deadline:
             pass
-    assert set(found) == {"engine_process_cpu_s", "engine_process_runqueue_wait_s"}
-    assert found["engine_process_cpu_s"] > 0.0
+    assert set(found) == {"engine_process_cpu_s", "engine_process_runqueue_wait_s",
+                          "engine_process_involuntary_switches"}
+    assert found["engine_process_cpu_s"] > 0.0 and found["engine_process_involuntary_switches"] >= 0
+
+
+@linux_only
+def test_involuntary_switches_counts_a_busy_process_taken_off_its_cpu():
+    """Two spinning processes pinned to one CPU take it from each other."""
+    spin = ("import os, time; os.sched_setaffinity(0, {%d}); print(flush=True); end = time.monotonic() + 3\n"
+            "while time.monotonic() < end: pass" % min(os.sched_getaffinity(0)))
+    spinners = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE) for _ in range(2)]
+    try:
+        for spinner in spinners:
+            spinner.stdout.readline()  # pinned and spinning
+        before = [involuntary_switches(p.pid) for p in spinners]
+        time.sleep(0.5)
+        after = [involuntary_switches(p.pid) for p in spinners]
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert sum(a - b for a, b in zip(after, before)) > 0
+    assert involuntary_switches(2**22 + 12345) is None  # no such process
 
 
 @linux_only

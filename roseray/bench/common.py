@@ -33,16 +33,36 @@ def cpu_and_wait_s(pid: int) -> tuple[float, float] | None:
     return int(on_cpu_ns) / 1e9, int(waiting_ns) / 1e9
 
 
+def involuntary_switches(pid: int) -> int | None:
+    """How often process `pid`'s main thread was taken off a CPU while it could still run
+    (/proc/PID/status nonvoluntary_ctxt_switches); None where there is no such count. Kept
+    by every kernel, unlike schedstat's waiting time (zero where schedstats are off, as on
+    the GPU host): switches that grow during a run mean other work took the process's CPU."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("nonvoluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 @contextlib.contextmanager
 def engine_cpu_use(pid: int | None):
-    """Fills the yielded dict, on exit, with the engine process's CPU seconds and run-queue
-    waiting seconds over the block (nothing when `pid` is None or /proc has no schedstat)."""
+    """Fills the yielded dict, on exit, with the engine process's CPU seconds, run-queue
+    waiting seconds and involuntary context switches over the block (nothing when `pid` is
+    None or /proc has no schedstat)."""
     found: dict[str, float] = {}
     before = cpu_and_wait_s(pid) if pid else None
+    switches = involuntary_switches(pid) if before else None
     yield found
     after = cpu_and_wait_s(pid) if before else None
     if after:
         found.update(engine_process_cpu_s=after[0] - before[0], engine_process_runqueue_wait_s=after[1] - before[1])
+        now = involuntary_switches(pid)
+        if switches is not None and now is not None:
+            found["engine_process_involuntary_switches"] = now - switches
 
 
 ENGINE_TIME_METRICS = ("roseray:engine_steps_total", "roseray:engine_step_seconds_total",
