@@ -16,7 +16,8 @@ pipe is readable and applies it right there (the same hand-off code). While the 
 is idle, the adds of one loop iteration go as one message at its end (a burst's first
 step schedules them together); while it steps, each add goes at once: the engine process
 takes commands between steps, and an add held to the end of an iteration that admits a
-dozen requests and writes a step's streams misses steps it could have made. A thread would
+dozen requests and writes a step's streams misses steps it could have made (an HTTP burst
+of 128 on the H100: mean queue time ~2.6 -> ~1.2 ms, BENCHMARKS.md). A thread would
 have to win the GIL back from a busy event loop after every pipe read and write (a convoy):
 while an API process admitted a burst, its adds reached the engine 1-4 ms late, and the
 burst took steps more (issue 4).
