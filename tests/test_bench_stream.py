@@ -281,3 +281,44 @@ def test_the_host_cpu_noise_script_measures_every_cpu_and_every_load(tmp_path):
     assert all(run["throughput_tok_s"] > 0 for runs in result["engine"].values() for run in runs)
     assert " 1 busy processes:" in done.stdout and "slowest / fastest CPU" in done.stdout
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # no spinner left
+
+
+def _interleaved_run(pairs: list[tuple[float, int, float]]) -> dict:
+    """A ray_vs_inprocess.json of warm pairs (HTTP tok/s, HTTP steps, HTTP µs per step) against
+    in-process bursts of 100k tok/s, 129 steps and 700 + 100 µs, after a warm-up pair."""
+    def burst(tok_s: float, steps: int, step_us: float) -> dict:
+        return {"throughput_tok_s": tok_s, "engine_steps": steps, "engine_step_us": step_us,
+                "engine_output_us": 100.0, "ttft_ms": {"p99": 20.0}, "server_queue_mean_ms": 1.5,
+                "engine_process_involuntary_switches": 3}
+    http = [burst(1.0, 1, 1.0)] + [burst(*p) for p in pairs]
+    return {"http": {"all_passes": http}, "in_process": {"all_passes": [burst(100e3, 129, 700.0)] * len(http)}}
+
+
+def test_pooling_runs_compares_settings_over_all_their_pairs(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "pool_pairs.py"
+    spec = importlib.util.spec_from_file_location("pool_pairs", path)
+    pool_pairs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pool_pairs)
+    runs = {"a1": [(80e3, 143, 700.0), (90e3, 143, 700.0)], "a2": [(86e3, 129, 750.0)],
+            "b1": [(95e3, 129, 700.0), (70e3, 150, 900.0), (85e3, 135, 700.0)]}
+    for name, pairs in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ray_vs_inprocess.json").write_text(json.dumps(_interleaved_run(pairs)))
+    out = tmp_path / "pooled.json"
+    pool_pairs.main([f"a={tmp_path / 'a1'},{tmp_path / 'a2' / 'ray_vs_inprocess.json'}", f"b={tmp_path / 'b1'}",
+                     "--json", str(out)])
+    pooled = json.loads(out.read_text())
+    a, b = pooled["a"], pooled["b"]
+    assert (a["runs"], a["pairs"], b["runs"], b["pairs"]) == (2, 3, 1, 3)
+    assert a["pair_median"] == pytest.approx(0.86) and a["run_medians"] == pytest.approx([0.85, 0.86])
+    assert a["pairs_at_target"] == pytest.approx(2 / 3) and b["pairs_at_target"] == pytest.approx(2 / 3)
+    assert a["pair_median_90"][0] <= 0.86 <= a["pair_median_90"][1]
+    # busy: in-process 129 x 800 µs over HTTP steps x (step + 100 µs)
+    assert a["busy"] == pytest.approx(129 * 800 / (143 * 800)) and a["steps"] == pytest.approx(129 / 143)
+    assert a["step_time"] == pytest.approx(1.0) and b["busy"] == pytest.approx(129 / 135)
+    assert (a["queue_ms"], a["ttft_p99_ms"], a["switches"]) == (1.5, 20.0, 3)
+    assert "a: 2 runs (85% / 86%), 3 pairs: pair median 86.0%" in capsys.readouterr().out
