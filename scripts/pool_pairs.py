@@ -69,12 +69,13 @@ def _median(rows: list[dict], key: str) -> float | None:
 
 
 def pool(runs: list[dict]) -> dict:
-    rows = [row for run in runs for row in warm_pairs(run)]
+    per_run = [warm_pairs(run) for run in runs]
+    rows = [row for run_rows in per_run for row in run_rows]
     pairs = [row["pair"] for row in rows]
     low, high = bootstrap_median(pairs)
     summary = {"runs": len(runs), "pairs": len(rows), "pair_median": statistics.median(pairs),
                "pair_median_90": [low, high], "pairs_at_target": sum(p >= TARGET for p in pairs) / len(pairs),
-               "run_medians": [statistics.median(row["pair"] for row in warm_pairs(run)) for run in runs]}
+               "run_medians": [statistics.median(row["pair"] for row in run_rows) for run_rows in per_run]}
     for key in ("busy", "steps", "step_time", "http_steps", "queue_ms", "ttft_p99_ms", "switches"):
         summary[key] = _median(rows, key)
     return summary

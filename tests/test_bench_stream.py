@@ -2,10 +2,13 @@
 the engine process's CPU time and run-queue wait read from /proc."""
 
 import asyncio
+import importlib.util
+import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -92,12 +95,10 @@ def test_run_seed_measures_several_bursts_on_one_engine_process(monkeypatch):
     assert result["engine_process_runqueue_wait_s"] >= 0.0
 
 
-def _load_http_vs_inprocess():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "http_vs_inprocess.py"
-    spec = importlib.util.spec_from_file_location("http_vs_inprocess", path)
+def _load_script(name: str):
+    """scripts/<name>.py as a module."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -114,7 +115,7 @@ def test_interleaved_comparison_pairs_each_http_burst_with_an_in_process_burst(m
     """Each HTTP burst is paired with an in-process burst on a real engine, the two taking
     turns at going first; the first pair warms both and is left out of the medians and the
     ratios."""
-    module = _load_http_vs_inprocess()
+    module = _load_script("http_vs_inprocess")
     monkeypatch.setattr(stream, "seed_workload", lambda n, max_tokens: ([[7] for _ in range(n)], [
         SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens) for _ in range(n)]))
     order = []
@@ -195,7 +196,7 @@ def test_the_load_generator_counts_whole_events_however_the_reads_split_them():
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    module = _load_http_vs_inprocess()
+    module = _load_script("http_vs_inprocess")
     pieces = [b'data: {"id":"a","choices":[{"text":"x"}]}\n\ndata: {"id"', b':"a","choices":[{"text":"y"}]}\n',
               b'\ndata: {"id":"a","choices":[{"text":"z"}]}\n\n',
               b'data: {"id":"a","choices":[],"usage":{"completion_tokens":3}}\n\ndata: [DONE]\n\n']
@@ -226,13 +227,7 @@ def test_the_load_generator_counts_whole_events_however_the_reads_split_them():
 def test_the_load_generator_cost_script_measures_every_client(monkeypatch, capsys):
     """scripts/load_generator_cost.py (the client's CPU per event in BENCHMARKS.md) runs its
     stub server and both readers, and every event is counted."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "load_generator_cost.py"
-    spec = importlib.util.spec_from_file_location("load_generator_cost", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_script("load_generator_cost")
     monkeypatch.setattr(sys, "argv", ["load_generator_cost.py", "--streams", "3", "--events", "5", "--bursts", "1",
                                       "--repeats", "1"])
     module.main()
@@ -246,9 +241,6 @@ def test_the_server_admission_cost_script_runs():
     """scripts/server_admission_cost.py (and server_cpu_per_token.py, whose fake engine it
     takes, and which takes http_vs_inprocess's client) still import and run: a burst of 4
     (as a command: its client is a spawned process of the script's own)."""
-    import subprocess
-    from pathlib import Path
-
     script = Path(__file__).resolve().parents[1] / "scripts" / "server_admission_cost.py"
     done = subprocess.run([sys.executable, str(script), "--requests", "4", "--rounds", "1"], capture_output=True,
                           text=True, timeout=300)
@@ -260,10 +252,6 @@ def test_the_host_cpu_noise_script_measures_every_cpu_and_every_load(tmp_path):
     """scripts/host_cpu_noise.py (the busy-CPU figures in BENCHMARKS.md) times its loop on
     every CPU it may use and runs engine bursts under each number of spinning processes,
     which it stops again."""
-    import json
-    import subprocess
-    from pathlib import Path
-
     import psutil
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "host_cpu_noise.py"
@@ -295,14 +283,7 @@ def _interleaved_run(pairs: list[tuple[float, int, float]]) -> dict:
 
 
 def test_pooling_runs_compares_settings_over_all_their_pairs(tmp_path, capsys):
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "pool_pairs.py"
-    spec = importlib.util.spec_from_file_location("pool_pairs", path)
-    pool_pairs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pool_pairs)
+    pool_pairs = _load_script("pool_pairs")
     runs = {"a1": [(80e3, 143, 700.0), (90e3, 143, 700.0)], "a2": [(86e3, 129, 750.0)],
             "b1": [(95e3, 129, 700.0), (70e3, 150, 900.0), (85e3, 135, 700.0)]}
     for name, pairs in runs.items():

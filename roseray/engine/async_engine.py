@@ -397,7 +397,7 @@ class AsyncLLMEngine:
             logger.exception("add_request failed")
             raise EngineRequestError(f"the engine could not take this request ({type(error).__name__})") from None
         stream._admitted.set_result(None)
-        if self._engine_stepping() and not self._hold_adds:
+        if not self._hold_adds and self._engine_stepping():
             self._flush_commands()  # its next step takes it (see the module docstring)
         elif not self._flush_scheduled:
             self._flush_scheduled = True

@@ -22,8 +22,8 @@ The client holds back adds until `flush_commands` (or any other command) and sen
 one "add" (an abort never overtakes its add). The async engine flushes at the end of a loop
 iteration while the engine is idle, so a burst of new requests costs one message and one
 wake-up of the child, which applies all of them before its next step and so schedules them
-as one batch; while the engine steps it flushes each add at once (async_engine.py). `sampling_params` holds only the fields that
-differ from SamplingParams' defaults.
+as one batch; while the engine steps it flushes each add at once (async_engine.py).
+`sampling_params` holds only the fields that differ from SamplingParams' defaults.
 
 Requests are named by short handles ("0", "1", ...) that the client maps back to the
 server's request ids; step messages name them prefix + handle (the prefix is "" with one
