@@ -37,6 +37,7 @@ import numpy as np
 
 from roseray.bench.common import (engine_cpu_use, engine_time_from_metrics, engine_time_split, histogram_totals,
                                   percentiles, run_async, server_time_split)
+from roseray.bench.host_cpu import HostCPU, host_cpu_use
 from roseray.bench.stream import SeedEngine, median_pass, run_seed
 from roseray.bench.stream_connection import StreamConnection, encode_post
 from roseray.server import request_trace
@@ -82,6 +83,7 @@ async def _client_streams(port: int, model: str, n: int, max_tokens: int, passes
                     trace.record(request_id, "client_sent", sent)
                     trace.record(request_id, "client_first_token", event_times[0])
             results.put(answers)
+        barrier.wait()  # exit only when the parent says: an exit's CPU would land in a burst beside it
     finally:
         for connection in connections:
             connection.close()
@@ -116,10 +118,12 @@ def _summary(results: list, processes: int) -> dict:
             "served_by": dict(collections.Counter(r[3] for r in results).most_common())}
 
 
-def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, passes: int, engine_pid: int | None):
+def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, passes: int, engine_pid: int | None,
+            host: HostCPU | None = None):
     """Yields `passes` bursts of `n` streams, one after another, from `processes` client
     processes that live through them all and start each burst together (one Python client
-    process has a ceiling of events per second and would time itself, not the server)."""
+    process has a ceiling of events per second and would time itself, not the server).
+    `host`: also every process's CPU use over each burst, by role (host_cpu_ms)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -135,22 +139,28 @@ def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, pass
         except threading.BrokenBarrierError:
             raise RuntimeError("a client process failed (its traceback is above)") from None
 
+    done = 0
     try:
         wait_for_clients()  # their warm-up requests are done
         time.sleep(PUBLISH_INTERVAL_S + 0.2)  # and in every API process's shared metrics
         for _ in range(passes):
             page = _metrics_page(port)
-            with engine_cpu_use(engine_pid) as cpu:
+            with host_cpu_use(host) as host_cpu, engine_cpu_use(engine_pid) as cpu:
                 wait_for_clients()
                 parts = [queue.get(timeout=600) for _ in workers]
             if None in parts:
                 raise RuntimeError("a client process failed (its traceback is above)")
+            done += 1  # the clients are on their way to the next barrier (or the last one)
             engine_after = engine_time_over_http(port)
             yield {**_summary([r for part in parts for r in part], processes), **cpu,
                    **engine_time_split(engine_time_from_metrics(page), engine_after),
                    **server_time_split(histogram_totals(page), _settled_request_times(port, page, n)),
-                   "ended_unix": time.time()}
+                   **host_cpu, "ended_unix": time.time()}
     finally:
+        if done == passes:
+            wait_for_clients()  # they may exit now, not in a burst measured beside them
+        else:
+            barrier.abort()
         for worker in workers:
             worker.join(10)
             if worker.is_alive():
@@ -236,14 +246,22 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
     of the warm medians, with every pair's ratio and their median."""
     with SeedEngine(model, n, engine_args, max_tokens=max_tokens) as seed:  # up first: its start-up takes the GPU for a while
         pairs = []
-        bursts = _bursts(port, model, n, max_tokens, processes, passes, engine_pid)
+        host = HostCPU({pid: role for pid, role in ((engine_pid, "engine child (replica)"),
+                                                    (seed.engine_pid, "engine child (in-process)")) if pid})
+        bursts = _bursts(port, model, n, max_tokens, processes, passes, engine_pid, host)
+
+        def inproc_burst() -> dict:
+            with host_cpu_use(host) as host_cpu:
+                run = seed.burst()
+            return {**run, **host_cpu}
+
         try:
             for index in range(passes):
                 if index % 2 == 0:
                     http = next(bursts)
-                    inproc = seed.burst()
+                    inproc = inproc_burst()
                 else:
-                    inproc = seed.burst()
+                    inproc = inproc_burst()
                     http = next(bursts)
                 pairs.append((http, inproc))
                 _print_pair(index, passes, http, inproc)
@@ -258,7 +276,25 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
     result["pair_ratios"] = ratios
     result["median_pair_ratio"] = float(np.median(ratios))
     print(f"pairs: HTTP / in-process {', '.join(f'{r:.0%}' for r in ratios)}; median {np.median(ratios):.0%}")
+    for side, key, runs in (("HTTP", "http", [h for h, _ in warm]), ("in-process", "in_process", [i for _, i in warm])):
+        roles = median_host_cpu(runs)
+        if roles:
+            result[f"{key}_host_cpu_ms_median"] = roles
+            print(f"host CPU per {side} burst (median ms): " + ", ".join(f"{role} {ms:.0f}" for role, ms in roles.items()))
     return result
+
+
+def median_host_cpu(runs: list[dict]) -> dict[str, float]:
+    """Each role's median CPU ms over the bursts that recorded host_cpu_ms (a role absent
+    from a burst used none in it), with the total's median as "all"; largest first."""
+    recorded = [r["host_cpu_ms"] for r in runs if "host_cpu_ms" in r]
+    if not recorded:
+        return {}
+    roles = {role for burst in recorded for role in burst}
+    medians = {role: float(np.median([burst.get(role, 0.0) for burst in recorded])) for role in roles}
+    medians = dict(sorted(medians.items(), key=lambda item: -item[1]))
+    medians["all"] = float(np.median([sum(burst.values()) for burst in recorded]))
+    return medians
 
 
 def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api_processes: int = 1,

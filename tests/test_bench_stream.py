@@ -128,10 +128,11 @@ def test_interleaved_comparison_pairs_each_http_burst_with_an_in_process_burst(m
     monkeypatch.setattr(stream.SeedEngine, "burst", burst)
     http_tok_s = [1.0, 2.0, 3.0, 4.0]
 
-    def fake_bursts(port, model, n, max_tokens, processes, passes, engine_pid):
+    def fake_bursts(port, model, n, max_tokens, processes, passes, engine_pid, host=None):
+        assert host is not None  # the same HostCPU reads both sides' bursts
         for tok_s in http_tok_s[:passes]:
             order.append("http")
-            yield _http_burst(tok_s)
+            yield {**_http_burst(tok_s), "host_cpu_ms": {"HAProxy": tok_s, "load generator": 10 * tok_s}}
 
     monkeypatch.setattr(module, "_bursts", fake_bursts)
     result = module.measure_interleaved(1, "random:tiny", 3, 4, 1, 4, None, {"device": "cpu"})
@@ -146,6 +147,12 @@ def test_interleaved_comparison_pairs_each_http_burst_with_an_in_process_burst(m
     out = capsys.readouterr().out
     assert "pair 4/4: HTTP 4 tok/s" in out and "pairs: HTTP / in-process" in out
     assert inproc[1]["engine_steps"] >= 4 and inproc[1]["engine_step_us"] > 0  # the engine's own time, per burst
+    # every process's CPU by role, median over the warm bursts (a role a burst lacks counts 0)
+    assert result["http_host_cpu_ms_median"] == {"load generator": 30.0, "HAProxy": 3.0, "all": 33.0}
+    assert "host CPU per HTTP burst (median ms): load generator 30, HAProxy 3, all 33" in out
+    if sys.platform.startswith("linux"):
+        assert all(run["host_cpu_ms"]["benchmark process"] > 0 for run in inproc)  # the engine runs here on CPU
+        assert "host CPU per in-process burst" in out
 
 
 def test_engine_time_is_read_from_metrics_and_split_per_step():
