@@ -37,7 +37,7 @@ import numpy as np
 
 from roseray.bench.common import (engine_cpu_use, engine_time_from_metrics, engine_time_split, histogram_totals,
                                   percentiles, run_async, server_time_split)
-from roseray.bench.host_cpu import HostCPU, host_cpu_use
+from roseray.bench.host_cpu import HostCPU, host_cpu_use, median_host_cpu
 from roseray.bench.stream import SeedEngine, median_pass, run_seed
 from roseray.bench.stream_connection import StreamConnection, encode_post
 from roseray.server import request_trace
@@ -282,19 +282,6 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
             result[f"{key}_host_cpu_ms_median"] = roles
             print(f"host CPU per {side} burst (median ms): " + ", ".join(f"{role} {ms:.0f}" for role, ms in roles.items()))
     return result
-
-
-def median_host_cpu(runs: list[dict]) -> dict[str, float]:
-    """Each role's median CPU ms over the bursts that recorded host_cpu_ms (a role absent
-    from a burst used none in it), with the total's median as "all"; largest first."""
-    recorded = [r["host_cpu_ms"] for r in runs if "host_cpu_ms" in r]
-    if not recorded:
-        return {}
-    roles = {role for burst in recorded for role in burst}
-    medians = {role: float(np.median([burst.get(role, 0.0) for burst in recorded])) for role in roles}
-    medians = dict(sorted(medians.items(), key=lambda item: -item[1]))
-    medians["all"] = float(np.median([sum(burst.values()) for burst in recorded]))
-    return medians
 
 
 def run_http(model: str, n: int, max_tokens: int, port: int, processes: int, api_processes: int = 1,

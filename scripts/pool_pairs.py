@@ -14,7 +14,9 @@ ray_vs_inprocess.json). For each setting, over all its warm pairs:
     the ratio: the steps an HTTP burst adds are its last, light ones (BENCHMARKS.md, thirteenth
     session);
   - queue: the HTTP bursts' mean queue time (arrival -> scheduled), TTFT p99, and how often the
-    replica's engine process was taken off its CPU (where recorded).
+    replica's engine process was taken off its CPU (where recorded);
+  - host CPU: every process's CPU per HTTP burst by role, the median over the pooled bursts
+    (where recorded: roseray/bench/host_cpu.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import json
 import os
 import random
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # roseray, installed or not
+
+from roseray.bench.host_cpu import median_host_cpu  # noqa: E402
 
 BOOTSTRAP_ROUNDS = 2000
 TARGET = 0.85
@@ -78,6 +85,7 @@ def pool(runs: list[dict]) -> dict:
                "run_medians": [statistics.median(row["pair"] for row in run_rows) for run_rows in per_run]}
     for key in ("busy", "steps", "step_time", "http_steps", "queue_ms", "ttft_p99_ms", "switches"):
         summary[key] = _median(rows, key)
+    summary["http_host_cpu_ms"] = median_host_cpu([http for run in runs for http in run["http"]["all_passes"][1:]])
     return summary
 
 
@@ -89,7 +97,10 @@ def _text(name: str, s: dict) -> str:
     return (f"{name}: {s['runs']} runs ({runs}), {s['pairs']} pairs: pair median {s['pair_median']:.1%} "
             f"(90% {s['pair_median_90'][0]:.1%}-{s['pair_median_90'][1]:.1%}), {s['pairs_at_target']:.0%} of pairs "
             f">= {TARGET:.0%}; busy {s['busy']:.3f} = steps {s['steps']:.3f} (HTTP {s['http_steps']:.0f}) x time per "
-            f"step ~{s['step_time']:.3f}; TTFT p99 {s['ttft_p99_ms']:.1f} ms{optional}")
+            f"step ~{s['step_time']:.3f}; TTFT p99 {s['ttft_p99_ms']:.1f} ms{optional}"
+            + ("\n  host CPU per HTTP burst (median ms): "
+               + ", ".join(f"{role} {ms:.0f}" for role, ms in s["http_host_cpu_ms"].items())
+               if s["http_host_cpu_ms"] else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -285,7 +285,8 @@ def _interleaved_run(pairs: list[tuple[float, int, float]]) -> dict:
         return {"throughput_tok_s": tok_s, "engine_steps": steps, "engine_step_us": step_us,
                 "engine_output_us": 100.0, "ttft_ms": {"p99": 20.0}, "server_queue_mean_ms": 1.5,
                 "engine_process_involuntary_switches": 3}
-    http = [burst(1.0, 1, 1.0)] + [burst(*p) for p in pairs]
+    http = [burst(1.0, 1, 1.0)] + [{**burst(*p), "host_cpu_ms": {"HAProxy": p[1], "API processes": 2 * p[1]}}
+                                   for p in pairs]
     return {"http": {"all_passes": http}, "in_process": {"all_passes": [burst(100e3, 129, 700.0)] * len(http)}}
 
 
@@ -309,4 +310,8 @@ def test_pooling_runs_compares_settings_over_all_their_pairs(tmp_path, capsys):
     assert a["busy"] == pytest.approx(129 * 800 / (143 * 800)) and a["steps"] == pytest.approx(129 / 143)
     assert a["step_time"] == pytest.approx(1.0) and b["busy"] == pytest.approx(129 / 135)
     assert (a["queue_ms"], a["ttft_p99_ms"], a["switches"]) == (1.5, 20.0, 3)
-    assert "a: 2 runs (85% / 86%), 3 pairs: pair median 86.0%" in capsys.readouterr().out
+    # host CPU per HTTP burst by role: medians over the pooled warm bursts (HAProxy 143, 143, 129)
+    assert a["http_host_cpu_ms"] == {"API processes": 286, "HAProxy": 143, "all": 429}
+    out = capsys.readouterr().out
+    assert "a: 2 runs (85% / 86%), 3 pairs: pair median 86.0%" in out
+    assert "host CPU per HTTP burst (median ms): API processes 286, HAProxy 143, all 429" in out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import time
 
 # (substring of the command line, role), first match wins; checked after the caller's pids
@@ -129,3 +130,16 @@ def host_cpu_use(host: HostCPU | None):
     if before and after:
         found["host_cpu_ms"] = {role: s * 1e3 for role, s in host.by_role(before, after).items()}
         found["host_cpu_snapshot_ms"] = snapshot_s * 1e3
+
+
+def median_host_cpu(runs: list[dict]) -> dict[str, float]:
+    """Each role's median CPU ms over the bursts that recorded host_cpu_ms (a role absent
+    from a burst used none in it), with the total's median as "all"; largest first."""
+    recorded = [r["host_cpu_ms"] for r in runs if "host_cpu_ms" in r]
+    if not recorded:
+        return {}
+    roles = {role for burst in recorded for role in burst}
+    medians = {role: statistics.median([burst.get(role, 0.0) for burst in recorded]) for role in roles}
+    medians = dict(sorted(medians.items(), key=lambda item: -item[1]))
+    medians["all"] = statistics.median([sum(burst.values()) for burst in recorded])
+    return medians
