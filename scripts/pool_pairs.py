@@ -47,14 +47,13 @@ def warm_pairs(run: dict) -> list[dict]:
     """One row per warm pair (the first pass of each side warms up)."""
     rows = []
     for http, inproc in zip(run["http"]["all_passes"][1:], run["in_process"]["all_passes"][1:]):
-        busy_http = http["engine_steps"] * (http["engine_step_us"] + http["engine_output_us"])
-        busy_inproc = inproc["engine_steps"] * (inproc["engine_step_us"] + inproc["engine_output_us"])
+        per_step_http = http["engine_step_us"] + http["engine_output_us"]
+        per_step_inproc = inproc["engine_step_us"] + inproc["engine_output_us"]
         rows.append({
             "pair": http["throughput_tok_s"] / inproc["throughput_tok_s"],
-            "busy": busy_inproc / busy_http,
+            "busy": (inproc["engine_steps"] * per_step_inproc) / (http["engine_steps"] * per_step_http),
             "steps": inproc["engine_steps"] / http["engine_steps"],
-            "step_time": ((inproc["engine_step_us"] + inproc["engine_output_us"])
-                          / (http["engine_step_us"] + http["engine_output_us"])),
+            "step_time": per_step_inproc / per_step_http,
             "http_steps": http["engine_steps"],
             "queue_ms": http.get("server_queue_mean_ms"),
             "ttft_p99_ms": http["ttft_ms"]["p99"],

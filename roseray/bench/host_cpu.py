@@ -21,14 +21,12 @@ import statistics
 import time
 
 # (substring of the command line, role), first match wins; checked after the caller's pids
+# and after the Serve replicas (role_of)
 _ROLES = (
     (b"roseray.engine.engine_process", "engine child (other)"),
     (b"replica_api_worker", "API processes"),
     (b"roseray.server.api_worker", "API processes"),
-    (b"ray::ServeReplica:", "Serve replicas"),  # refined below: the Router's and the Engine's actor
-    (b"ray::ServeController", "Ray Serve and Ray"),
-    (b"ray::ProxyActor", "Ray Serve and Ray"),
-    (b"ray::", "Ray Serve and Ray"),
+    (b"ray::", "Ray Serve and Ray"),  # the controller, the proxy, Ray's own workers
     (b"raylet", "Ray Serve and Ray"),
     (b"gcs_server", "Ray Serve and Ray"),
     (b"ray/dashboard", "Ray Serve and Ray"),
@@ -44,12 +42,9 @@ def role_of(cmdline: bytes, comm: bytes = b"") -> str:
     name (/proc/PID/comm)."""
     if comm.strip() == b"haproxy" or b"haproxy" in cmdline.split(b"\0", 1)[0]:
         return "HAProxy"
-    for needle, role in _ROLES:
-        if needle in cmdline:
-            if role == "Serve replicas":
-                return "Routers" if b"Router" in cmdline else "Engine replica actor"
-            return role
-    return "other"
+    if b"ray::ServeReplica:" in cmdline:
+        return "Routers" if b"Router" in cmdline else "Engine replica actor"
+    return next((role for needle, role in _ROLES if needle in cmdline), "other")
 
 
 def _read(path: str) -> bytes:
