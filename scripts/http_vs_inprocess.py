@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -37,6 +38,7 @@ import numpy as np
 
 from roseray.bench.common import (engine_cpu_use, engine_time_from_metrics, engine_time_split, histogram_totals,
                                   percentiles, run_async, server_time_split)
+from roseray.bench.cpu_placement import keep_off, pin_process, restore
 from roseray.bench.host_cpu import HostCPU, host_cpu_use, median_host_cpu
 from roseray.bench.stream import SeedEngine, median_pass, run_seed
 from roseray.bench.stream_connection import StreamConnection, encode_post
@@ -238,14 +240,40 @@ def _print_pair(index: int, passes: int, http: dict, inproc: dict) -> None:
           f"in-process{_engine_text(inproc) or ': -'}")
 
 
+@contextlib.contextmanager
+def engines_on_one_cpu(engine_pids: list[int], cpu: int, isolate: bool):
+    """Both engine children on vCPU `cpu` (they never step at once: the bursts take turns),
+    so that a pair compares the paths, not where the scheduler put each engine; `isolate`:
+    every other thread of the machine is moved off that vCPU too. Yields what it did, and
+    puts every affinity back on exit."""
+    changed = [tid for pid in engine_pids for tid in pin_process(pid, {cpu})]
+    placement = {"engine_cpu": cpu, "engine_threads_pinned": len(changed)}
+    moved = keep_off({cpu}, set(engine_pids)) if isolate else []
+    if isolate:
+        placement["threads_kept_off_engine_cpu"] = len(moved)
+    print(f"engine children {engine_pids} pinned to CPU {cpu} ({len(changed)} threads)"
+          + (f"; {len(moved)} other threads moved off it" if isolate else ""))
+    try:
+        yield placement
+    finally:
+        restore(moved + changed)
+
+
 def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processes: int, passes: int,
-                        engine_pid: int | None, engine_args: dict) -> dict:
+                        engine_pid: int | None, engine_args: dict, engine_cpu: int | None = None,
+                        isolate_engine_cpu: bool = False) -> dict:
     """`passes` pairs of bursts: one through the server at `port` and one on an in-process
     engine with `engine_args`, taking turns at going first (neither side always runs right
     after the other), each pair printed; the first pair warms both. Returns the comparison
-    of the warm medians, with every pair's ratio and their median."""
+    of the warm medians, with every pair's ratio and their median. `engine_cpu`: both
+    engine children run on that vCPU (`engines_on_one_cpu`)."""
     with SeedEngine(model, n, engine_args, max_tokens=max_tokens) as seed:  # up first: its start-up takes the GPU for a while
         pairs = []
+        placed = contextlib.nullcontext({})
+        if engine_cpu is not None:
+            if not (engine_pid and seed.engine_pid):
+                raise RuntimeError("--engine-cpu needs both engines in processes of their own (engine_process)")
+            placed = engines_on_one_cpu([engine_pid, seed.engine_pid], engine_cpu, isolate_engine_cpu)
         host = HostCPU({pid: role for pid, role in ((engine_pid, "engine child (replica)"),
                                                     (seed.engine_pid, "engine child (in-process)")) if pid})
         bursts = _bursts(port, model, n, max_tokens, processes, passes, engine_pid, host)
@@ -255,18 +283,19 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
                 run = seed.burst()
             return {**run, **host_cpu}
 
-        try:
-            for index in range(passes):
-                if index % 2 == 0:
-                    http = next(bursts)
-                    inproc = inproc_burst()
-                else:
-                    inproc = inproc_burst()
-                    http = next(bursts)
-                pairs.append((http, inproc))
-                _print_pair(index, passes, http, inproc)
-        finally:
-            bursts.close()  # the client processes end
+        with placed as placement:
+            try:
+                for index in range(passes):
+                    if index % 2 == 0:
+                        http = next(bursts)
+                        inproc = inproc_burst()
+                    else:
+                        inproc = inproc_burst()
+                        http = next(bursts)
+                    pairs.append((http, inproc))
+                    _print_pair(index, passes, http, inproc)
+            finally:
+                bursts.close()  # the client processes end
         described = seed.describe()
     http = {**_warm_median([h for h, _ in pairs]), "server_port": port}
     inproc = {**described, **_warm_median([i for _, i in pairs])}
@@ -275,6 +304,7 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
     ratios = [h["throughput_tok_s"] / i["throughput_tok_s"] for h, i in warm]
     result["pair_ratios"] = ratios
     result["median_pair_ratio"] = float(np.median(ratios))
+    result.update(placement)
     print(f"pairs: HTTP / in-process {', '.join(f'{r:.0%}' for r in ratios)}; median {np.median(ratios):.0%}")
     for side, key, runs in (("HTTP", "http", [h for h, _ in warm]), ("in-process", "in_process", [i for _, i in warm])):
         roles = median_host_cpu(runs)
@@ -327,6 +357,10 @@ def _engine_text(run: dict) -> str:
             text += f", {run['engine_process_runqueue_wait_s'] * 1e3:.1f} ms waiting for one"
         if "engine_process_involuntary_switches" in run:
             text += f", taken off its CPU {run['engine_process_involuntary_switches']} times"
+        if "engine_process_migrations" in run:
+            text += f", moved {run['engine_process_migrations']} times"
+        if "engine_process_last_cpu" in run:
+            text += f", last on CPU {run['engine_process_last_cpu']}"
     return text
 
 
@@ -376,6 +410,12 @@ def main() -> None:
                         help="with --server-port: pair each HTTP burst with an in-process burst (which goes first "
                              "alternates), on an engine of this process beside the server's (give both a fixed "
                              "num_kv_blocks), and compare")
+    parser.add_argument("--engine-cpu", type=int, default=None,
+                        help="with --interleave: pin both engine children (the server's and the in-process one) to "
+                             "this vCPU, so a pair does not also compare where the scheduler put each (Linux)")
+    parser.add_argument("--isolate-engine-cpu", action="store_true",
+                        help="with --engine-cpu: also move every other thread of the machine off that vCPU "
+                             "(needs root for other users' processes)")
     parser.add_argument("--engine-args", type=json.loads, default={},
                         help="EngineConfig fields as JSON for the in-process engine (as the server's)")
     parser.add_argument("--against-http", default=None,
@@ -384,10 +424,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.interleave and args.server_port is None:
         parser.error("--interleave measures a server already listening: give --server-port")
+    if args.engine_cpu is not None and not args.interleave:
+        parser.error("--engine-cpu places the two engines of --interleave")
     if args.interleave:
         result = measure_interleaved(args.server_port, args.model, args.num_requests, args.max_tokens,
                                      args.client_processes, args.passes, args.engine_pid or engine_process_pid(),
-                                     args.engine_args)
+                                     args.engine_args, args.engine_cpu, args.isolate_engine_cpu)
     elif args.server_port is not None:
         http = measure_passes(args.server_port, args.model, args.num_requests, args.max_tokens,
                               args.client_processes, args.passes, args.engine_pid or engine_process_pid())

@@ -59,9 +59,13 @@ if [ "${PROBE:-0}" = 1 ]; then
       --ticket-secret "$TICKET_SECRET" --out "$OUT/burst_probe.json" 2>&1 | grep -E "^n=" || echo "the probe failed"
 fi
 # (each pass also records the replica's engine process's CPU use: the one engine process here)
+# ENGINE_CPU=K: both engine children on vCPU K (ISOLATE=1: every other thread moved off it; root)
+placement=()
+if [ -n "${ENGINE_CPU:-}" ]; then placement=(--engine-cpu "$ENGINE_CPU"); fi
+if [ "${ISOLATE:-0}" = 1 ]; then placement+=(--isolate-engine-cpu); fi
 if [ "$INTERLEAVE" = 1 ]; then
   python scripts/http_vs_inprocess.py "${sizes[@]}" --server-port "$PORT" --passes "$PASSES" --interleave \
-      --engine-args "$ENGINE" --out "$OUT/ray_vs_inprocess.json" 2>&1 | grep -v " INFO "
+      "${placement[@]}" --engine-args "$ENGINE" --out "$OUT/ray_vs_inprocess.json" 2>&1 | grep -v " INFO "
   status=${PIPESTATUS[0]}
   timeline
   exit "$status"

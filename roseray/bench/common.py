@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from roseray.bench.cpu_placement import last_cpu
+
 
 def percentiles(values, qs=(50, 95, 99)) -> dict[str, float]:
     arr = np.asarray(values, dtype=np.float64)
@@ -48,14 +50,28 @@ def involuntary_switches(pid: int) -> int | None:
     return None
 
 
+def migrations(pid: int) -> int | None:
+    """How often process `pid`'s main thread moved to another CPU so far (/proc/PID/sched
+    se.nr_migrations, where the kernel has it), else None."""
+    try:
+        with open(f"/proc/{pid}/sched") as f:
+            for line in f:
+                if line.startswith("se.nr_migrations"):
+                    return int(line.split(":")[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 @contextlib.contextmanager
 def engine_cpu_use(pid: int | None):
     """Fills the yielded dict, on exit, with the engine process's CPU seconds, run-queue
-    waiting seconds and involuntary context switches over the block (nothing when `pid` is
-    None or /proc has no schedstat)."""
+    waiting seconds and involuntary context switches over the block, its moves to another
+    CPU and the CPU it ran on last (nothing when `pid` is None or /proc has no schedstat)."""
     found: dict[str, float] = {}
     before = cpu_and_wait_s(pid) if pid else None
     switches = involuntary_switches(pid) if before else None
+    moves = migrations(pid) if before else None
     yield found
     after = cpu_and_wait_s(pid) if before else None
     if after:
@@ -63,6 +79,12 @@ def engine_cpu_use(pid: int | None):
         now = involuntary_switches(pid)
         if switches is not None and now is not None:
             found["engine_process_involuntary_switches"] = now - switches
+        moved = migrations(pid)
+        if moves is not None and moved is not None:
+            found["engine_process_migrations"] = moved - moves
+        cpu = last_cpu(pid)
+        if cpu is not None:
+            found["engine_process_last_cpu"] = cpu
 
 
 ENGINE_TIME_METRICS = ("roseray:engine_steps_total", "roseray:engine_step_seconds_total",
