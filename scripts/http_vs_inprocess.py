@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import urllib.request
+from typing import Callable
 
 import numpy as np
 
@@ -121,11 +122,14 @@ def _summary(results: list, processes: int) -> dict:
 
 
 def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, passes: int, engine_pid: int | None,
-            host: HostCPU | None = None):
+            host: HostCPU | None = None, beside: Callable[[int, bool], None] | None = None):
     """Yields `passes` bursts of `n` streams, one after another, from `processes` client
     processes that live through them all and start each burst together (one Python client
     process has a ceiling of events per second and would time itself, not the server).
-    `host`: also every process's CPU use over each burst, by role (host_cpu_ms)."""
+    `host`: also every process's CPU use over each burst, by role (host_cpu_ms).
+    `beside(index, burst_done)`: called just before burst `index` (False) and just after it
+    (True), with the server's counters read before the first call and after the second, so
+    that whatever the caller runs there is next to the burst in time."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -145,19 +149,25 @@ def _bursts(port: int, model: str, n: int, max_tokens: int, processes: int, pass
     try:
         wait_for_clients()  # their warm-up requests are done
         time.sleep(PUBLISH_INTERVAL_S + 0.2)  # and in every API process's shared metrics
-        for _ in range(passes):
+        for index in range(passes):
             page = _metrics_page(port)
+            if beside is not None:
+                beside(index, False)
             with host_cpu_use(host) as host_cpu, engine_cpu_use(engine_pid) as cpu:
+                started = time.time()
                 wait_for_clients()
                 parts = [queue.get(timeout=600) for _ in workers]
+                ended = time.time()
             if None in parts:
                 raise RuntimeError("a client process failed (its traceback is above)")
             done += 1  # the clients are on their way to the next barrier (or the last one)
+            if beside is not None:
+                beside(index, True)
             engine_after = engine_time_over_http(port)
             yield {**_summary([r for part in parts for r in part], processes), **cpu,
                    **engine_time_split(engine_time_from_metrics(page), engine_after),
                    **server_time_split(histogram_totals(page), _settled_request_times(port, page, n)),
-                   **host_cpu, "ended_unix": time.time()}
+                   **host_cpu, "started_unix": started, "ended_unix": ended}
     finally:
         if done == passes:
             wait_for_clients()  # they may exit now, not in a burst measured beside them
@@ -276,22 +286,23 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
             placed = engines_on_one_cpu([engine_pid, seed.engine_pid], engine_cpu, isolate_engine_cpu)
         host = HostCPU({pid: role for pid, role in ((engine_pid, "engine child (replica)"),
                                                     (seed.engine_pid, "engine child (in-process)")) if pid})
-        bursts = _bursts(port, model, n, max_tokens, processes, passes, engine_pid, host)
+        inproc_runs: dict[int, dict] = {}
 
-        def inproc_burst() -> dict:
-            with host_cpu_use(host) as host_cpu:
-                run = seed.burst()
-            return {**run, **host_cpu}
+        def inproc_burst(index: int, http_done: bool) -> None:
+            """The pair's in-process burst, right before its HTTP burst (odd pairs) or right after
+            it (even pairs): on this host the engines' speed drifts within seconds, so a pair's
+            two bursts are kept next to each other (scripts/pair_noise.py: two identical engines
+            differ by a median 3% back to back and 22% three seconds apart)."""
+            if (index % 2 == 0) == http_done:
+                with host_cpu_use(host) as host_cpu:
+                    run = seed.burst()
+                inproc_runs[index] = {**run, **host_cpu}
 
         with placed as placement:
+            bursts = _bursts(port, model, n, max_tokens, processes, passes, engine_pid, host, inproc_burst)
             try:
-                for index in range(passes):
-                    if index % 2 == 0:
-                        http = next(bursts)
-                        inproc = inproc_burst()
-                    else:
-                        inproc = inproc_burst()
-                        http = next(bursts)
+                for index, http in enumerate(bursts):
+                    inproc = inproc_runs.pop(index)
                     pairs.append((http, inproc))
                     _print_pair(index, passes, http, inproc)
             finally:
@@ -304,8 +315,13 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
     ratios = [h["throughput_tok_s"] / i["throughput_tok_s"] for h, i in warm]
     result["pair_ratios"] = ratios
     result["median_pair_ratio"] = float(np.median(ratios))
+    # from the end of a pair's first burst to the start of its second
+    gaps = [(i["started_unix"] - h["ended_unix"]) if index % 2 == 0 else (h["started_unix"] - i["ended_unix"])
+            for index, (h, i) in enumerate(warm, start=1)]
+    result["pair_gap_ms_median"] = float(np.median(gaps)) * 1e3
     result.update(placement)
-    print(f"pairs: HTTP / in-process {', '.join(f'{r:.0%}' for r in ratios)}; median {np.median(ratios):.0%}")
+    print(f"pairs: HTTP / in-process {', '.join(f'{r:.0%}' for r in ratios)}; median {np.median(ratios):.0%}; "
+          f"a pair's two bursts {result['pair_gap_ms_median']:.0f} ms apart (median)")
     for side, key, runs in (("HTTP", "http", [h for h, _ in warm]), ("in-process", "in_process", [i for _, i in warm])):
         roles = median_host_cpu(runs)
         if roles:

@@ -141,6 +141,7 @@ class SeedEngine:
 
     def burst(self, timeline: bool = False) -> dict:
         before, delays_before = self._engine_time(), list(self._message_delays)
+        started = time.time()
         with engine_cpu_use(self.engine_pid) as cpu:
             run = self._runner.run(_run(self.engine, self.prompts, self.params,
                                         Timeline(self.engine.engine) if timeline else None, tag=f"seed{self.bursts}"))
@@ -148,7 +149,8 @@ class SeedEngine:
         seconds, count = (now - then for now, then in zip(self._message_delays, delays_before))
         if count:  # as the server's engine_message_delay_seconds, for the same engine without HTTP
             run["message_delay_mean_ms"] = seconds / count * 1e3
-        return {**run, **cpu, **engine_time_split(before, self._engine_time()), "ended_unix": time.time()}
+        return {**run, **cpu, **engine_time_split(before, self._engine_time()), "started_unix": started,
+                "ended_unix": time.time()}
 
     def _on_message_delay(self, seconds: float) -> None:
         self._message_delays[0] += seconds
