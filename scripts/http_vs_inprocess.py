@@ -8,10 +8,12 @@ front of it, `--client-processes` client processes), in one run.
 
 With --server-port and --interleave the two halves take turns, burst for burst, in one run:
 pairs of an HTTP burst and an in-process burst (which goes first alternates), the latter on
-an engine of this process that stays up beside the server's (idle meanwhile). Each pair then meets the same state of
-the machine, whose speed drifts over seconds to minutes (BENCHMARKS.md, "where the spread
-comes from"); both engines need a fixed KV size (--engine-args '{"num_kv_blocks": N}'), as
-the second one cannot size itself from the GPU memory left.
+an engine of this process that stays up beside the server's (idle meanwhile). A pair's two
+bursts run back to back, with the server's counters read around both: the machine's speed
+drifts within seconds, and two identical engines come out 3% apart at the median back to
+back against 22% three seconds apart (scripts/pair_noise.py, BENCHMARKS.md). Both engines
+need a fixed KV size (--engine-args '{"num_kv_blocks": N}'), as the second one cannot size
+itself from the GPU memory left. --engine-cpu K puts both engine children on vCPU K.
 
 The clients send each request as prebuilt bytes on a keep-alive connection of their own
 (roseray.bench.stream_connection): a process's 32 requests leave within ~0.4 ms on the dev

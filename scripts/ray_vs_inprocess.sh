@@ -2,9 +2,9 @@
 # Issue 4's measurement through the Ray Serve app: one engine replica of serve_config.yaml
 # (HAProxy -> the Router picks the replica -> the replica's own HTTP server streams), 128
 # W-seed-like streams from scripts/http_vs_inprocess.py, each burst paired with one of the same
-# requests on an in-process engine beside the replica's, the two taking turns at going first
-# (INTERLEAVE=1, the default: both engines get a fixed num_kv_blocks; each pair meets the same
-# state of the machine); INTERLEAVE=0: all the HTTP bursts, then, with Ray stopped and the GPU
+# requests on an in-process engine beside the replica's, back to back, the two taking turns at
+# going first (INTERLEAVE=1, the default: both engines get a fixed num_kv_blocks; each pair meets
+# the same state of the machine); INTERLEAVE=0: all the HTTP bursts, then, with Ray stopped and the GPU
 # free, the in-process ones. One comparison line
 # and JSON in $OUT.
 #
