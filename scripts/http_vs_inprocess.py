@@ -259,6 +259,9 @@ def engines_on_one_cpu(engine_pids: list[int], cpu: int, isolate: bool):
     every other thread of the machine is moved off that vCPU too. Yields what it did, and
     puts every affinity back on exit."""
     changed = [tid for pid in engine_pids for tid in pin_process(pid, {cpu})]
+    if not changed:
+        raise RuntimeError(f"could not pin the engine children {engine_pids} (not ours to move: run as their user "
+                           f"or root)")
     placement = {"engine_cpu": cpu, "engine_threads_pinned": len(changed)}
     moved = keep_off({cpu}, set(engine_pids)) if isolate else []
     if isolate:

@@ -163,6 +163,27 @@ def test_interleaved_comparison_pairs_each_http_burst_with_an_in_process_burst(m
         assert "host CPU per in-process burst" in out
 
 
+@linux_only
+def test_engines_on_one_cpu_pins_both_and_puts_their_affinity_back():
+    module = _load_script("http_vs_inprocess")
+    cpus = os.sched_getaffinity(0)
+    cpu = max(cpus)
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        pids = [child.pid for child in children]
+        with module.engines_on_one_cpu(pids, cpu, isolate=False) as placement:
+            assert placement == {"engine_cpu": cpu, "engine_threads_pinned": 2}
+            assert all(os.sched_getaffinity(pid) == {cpu} for pid in pids)
+        assert all(os.sched_getaffinity(pid) == cpus for pid in pids)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    with pytest.raises(RuntimeError, match="could not pin"):
+        with module.engines_on_one_cpu([children[0].pid], cpu, isolate=False):
+            pass
+
+
 def test_engine_time_is_read_from_metrics_and_split_per_step():
     from roseray.bench.common import engine_time_from_metrics, engine_time_split
 
