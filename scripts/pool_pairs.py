@@ -16,7 +16,10 @@ ray_vs_inprocess.json). For each setting, over all its warm pairs:
   - queue: the HTTP bursts' mean queue time (arrival -> scheduled), TTFT p99, and how often the
     replica's engine process was taken off its CPU (where recorded);
   - host CPU: every process's CPU per HTTP burst by role, the median over the pooled bursts
-    (where recorded: roseray/bench/host_cpu.py).
+    (where recorded: roseray/bench/host_cpu.py);
+  - order: the pair median of the pairs whose HTTP burst went first and of the others (the
+    two take turns), and how far apart a pair's two bursts were (where recorded). A measure
+    whose order matters is biased by it.
 """
 
 from __future__ import annotations
@@ -46,7 +49,13 @@ def load_run(path: str) -> dict:
 def warm_pairs(run: dict) -> list[dict]:
     """One row per warm pair (the first pass of each side warms up)."""
     rows = []
-    for http, inproc in zip(run["http"]["all_passes"][1:], run["in_process"]["all_passes"][1:]):
+    for index, (http, inproc) in enumerate(zip(run["http"]["all_passes"], run["in_process"]["all_passes"])):
+        if index == 0:
+            continue
+        http_first = index % 2 == 0  # http_vs_inprocess.py --interleave: even pairs send HTTP first
+        first, second = (http, inproc) if http_first else (inproc, http)
+        gap = (second["started_unix"] - first["ended_unix"] if "started_unix" in second and "ended_unix" in first
+               else None)
         per_step_http = http["engine_step_us"] + http["engine_output_us"]
         per_step_inproc = inproc["engine_step_us"] + inproc["engine_output_us"]
         rows.append({
@@ -58,6 +67,8 @@ def warm_pairs(run: dict) -> list[dict]:
             "queue_ms": http.get("server_queue_mean_ms"),
             "ttft_p99_ms": http["ttft_ms"]["p99"],
             "switches": http.get("engine_process_involuntary_switches"),
+            "http_first": http_first,
+            "gap_ms": None if gap is None else gap * 1e3,
         })
     return rows
 
@@ -82,15 +93,21 @@ def pool(runs: list[dict]) -> dict:
     summary = {"runs": len(runs), "pairs": len(rows), "pair_median": statistics.median(pairs),
                "pair_median_90": [low, high], "pairs_at_target": sum(p >= TARGET for p in pairs) / len(pairs),
                "run_medians": [statistics.median(row["pair"] for row in run_rows) for run_rows in per_run]}
-    for key in ("busy", "steps", "step_time", "http_steps", "queue_ms", "ttft_p99_ms", "switches"):
+    for key in ("busy", "steps", "step_time", "http_steps", "queue_ms", "ttft_p99_ms", "switches", "gap_ms"):
         summary[key] = _median(rows, key)
+    for key, first in (("pair_median_http_first", True), ("pair_median_in_process_first", False)):
+        ordered = [row["pair"] for row in rows if row["http_first"] == first]
+        summary[key] = statistics.median(ordered) if ordered else None
     summary["http_host_cpu_ms"] = median_host_cpu([http for run in runs for http in run["http"]["all_passes"][1:]])
     return summary
 
 
 def _text(name: str, s: dict) -> str:
     optional = "".join(f", {label} {s[key]:{form}}" for key, label, form in
-                       (("queue_ms", "queue", ".2f"), ("switches", "engine taken off its CPU", ".0f"))
+                       (("queue_ms", "queue", ".2f"), ("switches", "engine taken off its CPU", ".0f"),
+                        ("pair_median_http_first", "pair median HTTP first", ".1%"),
+                        ("pair_median_in_process_first", "in-process first", ".1%"),
+                        ("gap_ms", "a pair's bursts apart (ms)", ".0f"))
                        if s[key] is not None)
     runs = " / ".join(f"{m:.0%}" for m in s["run_medians"])
     return (f"{name}: {s['runs']} runs ({runs}), {s['pairs']} pairs: pair median {s['pair_median']:.1%} "

@@ -319,6 +319,21 @@ def _interleaved_run(pairs: list[tuple[float, int, float]]) -> dict:
     return {"http": {"all_passes": http}, "in_process": {"all_passes": [burst(100e3, 129, 700.0)] * len(http)}}
 
 
+def test_pooled_pairs_know_their_order_and_how_far_apart_their_bursts_were():
+    pool_pairs = _load_script("pool_pairs")
+    run = _interleaved_run([(80e3, 143, 700.0), (90e3, 143, 700.0)])
+    # pair 1 (index 1): in-process 10.00-10.10, HTTP 10.13-10.23; pair 2: HTTP 20.00-20.10, in-process 20.15-20.25
+    times = [(0.0, 0.1, 0.0, 0.1), (10.13, 10.23, 10.0, 10.1), (20.0, 20.1, 20.15, 20.25)]
+    run["in_process"]["all_passes"] = [dict(burst) for burst in run["in_process"]["all_passes"]]
+    for (h0, h1, i0, i1), http, inproc in zip(times, run["http"]["all_passes"], run["in_process"]["all_passes"]):
+        http.update(started_unix=h0, ended_unix=h1)
+        inproc.update(started_unix=i0, ended_unix=i1)
+    rows = pool_pairs.warm_pairs(run)
+    assert [row["http_first"] for row in rows] == [False, True]
+    assert [row["gap_ms"] for row in rows] == pytest.approx([30.0, 50.0])
+    assert pool_pairs.pool([run])["gap_ms"] == pytest.approx(40.0)
+
+
 def test_pooling_runs_compares_settings_over_all_their_pairs(tmp_path, capsys):
     pool_pairs = _load_script("pool_pairs")
     runs = {"a1": [(80e3, 143, 700.0), (90e3, 143, 700.0)], "a2": [(86e3, 129, 750.0)],
@@ -341,6 +356,10 @@ def test_pooling_runs_compares_settings_over_all_their_pairs(tmp_path, capsys):
     assert (a["queue_ms"], a["ttft_p99_ms"], a["switches"]) == (1.5, 20.0, 3)
     # host CPU per HTTP burst by role: medians over the pooled warm bursts (HAProxy 143, 143, 129)
     assert a["http_host_cpu_ms"] == {"API processes": 286, "HAProxy": 143, "all": 429}
+    # order: pair 2 of a run (index 1) sends in-process first, pair 3 HTTP first
+    assert a["pair_median_in_process_first"] == pytest.approx(0.83) and a["pair_median_http_first"] == 0.9
+    assert b["pair_median_in_process_first"] == pytest.approx(0.9) and b["pair_median_http_first"] == 0.7
+    assert a["gap_ms"] is None  # runs before the bursts' start times were recorded
     out = capsys.readouterr().out
     assert "a: 2 runs (85% / 86%), 3 pairs: pair median 86.0%" in out
     assert "host CPU per HTTP burst (median ms): API processes 286, HAProxy 143, all 429" in out
