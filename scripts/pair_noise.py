@@ -10,6 +10,9 @@ goes first, which engine started first). Each gap in `--gap-s` gets `--pairs` pa
 take turns, pair by pair, so each meets the host's drift alike.
 
     python scripts/pair_noise.py [--pairs 24] [--gap-s 0 3] [--out pair_noise.json]
+
+On the H100 host (BENCHMARKS.md, fifteenth session) two identical engines came out 3% apart
+at the median back to back, 22% three seconds apart.
 """
 
 from __future__ import annotations
@@ -64,18 +67,17 @@ def main() -> None:
                                "a_step_us": run_a.get("engine_step_us"), "b_step_us": run_b.get("engine_step_us")})
     result = {"workload": "W-seed", "model": args.model, "gaps": {}}
     for gap, runs in pairs.items():
-        ratios = [r["a"] / r["b"] for r in runs]
-        first_over_second = [r["a"] / r["b"] if r["a_first"] else r["b"] / r["a"] for r in runs]
-        result["gaps"][str(gap)] = {"a_over_b": summary(ratios), "first_over_second": summary(first_over_second),
-                                    "pairs": runs}
-        s, f = summary(ratios), summary(first_over_second)
-        print(f"gap {gap:g} s: A/B median {s['median']:.3f} (quartiles {s['q1']:.3f}-{s['q3']:.3f}, 90% CI of the "
-              f"median {s['median_ci90'][0]:.3f}-{s['median_ci90'][1]:.3f}, median |log ratio| "
-              f"{s['median_abs_log_ratio']:.3f}); first / second burst median {f['median']:.3f} "
-              f"(CI {f['median_ci90'][0]:.3f}-{f['median_ci90'][1]:.3f}); {len(runs)} pairs")
+        a_over_b = summary([r["a"] / r["b"] for r in runs])
+        order = summary([r["a"] / r["b"] if r["a_first"] else r["b"] / r["a"] for r in runs])
+        result["gaps"][str(gap)] = {"a_over_b": a_over_b, "first_over_second": order, "pairs": runs}
+        print(f"gap {gap:g} s: A/B median {a_over_b['median']:.3f} (quartiles {a_over_b['q1']:.3f}-"
+              f"{a_over_b['q3']:.3f}, 90% CI of the median {a_over_b['median_ci90'][0]:.3f}-"
+              f"{a_over_b['median_ci90'][1]:.3f}, median |log ratio| {a_over_b['median_abs_log_ratio']:.3f}); "
+              f"first / second burst median {order['median']:.3f} (CI {order['median_ci90'][0]:.3f}-"
+              f"{order['median_ci90'][1]:.3f}); {len(runs)} pairs")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        with open(args.out, "w") as out:
+            json.dump(result, out, indent=2)
 
 
 if __name__ == "__main__":

@@ -307,6 +307,28 @@ def test_the_host_cpu_noise_script_measures_every_cpu_and_every_load(tmp_path):
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # no spinner left
 
 
+def test_the_pair_noise_script_pairs_two_identical_engines_at_each_gap(tmp_path):
+    """scripts/pair_noise.py (the A/A test in BENCHMARKS.md): every gap gets its pairs, the
+    engines take turns at going first, and each summary is of the pairs it names."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "pair_noise.py"
+    out = tmp_path / "pairs.json"
+    done = subprocess.run([sys.executable, str(script), "--pairs", "2", "--gap-s", "0", "0.05",
+                           "--model", "random:gpt2", "--num-requests", "2", "--max-tokens", "2",
+                           "--engine-args", '{"num_kv_blocks": 32}', "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    gaps = json.loads(out.read_text())["gaps"]
+    assert set(gaps) == {"0.0", "0.05"}
+    for gap in gaps.values():
+        runs = gap["pairs"]
+        assert [run["a_first"] for run in runs] == [True, False]
+        assert all(run["a"] > 0 and run["b"] > 0 for run in runs)
+        ratios = sorted(run["a"] / run["b"] for run in runs)
+        assert gap["a_over_b"]["pairs"] == 2
+        assert gap["a_over_b"]["median"] == pytest.approx(sum(ratios) / 2)
+    assert "gap 0 s: A/B median" in done.stdout and "gap 0.05 s:" in done.stdout
+
+
 def _interleaved_run(pairs: list[tuple[float, int, float]]) -> dict:
     """A ray_vs_inprocess.json of warm pairs (HTTP tok/s, HTTP steps, HTTP µs per step) against
     in-process bursts of 100k tok/s, 129 steps and 700 + 100 µs, after a warm-up pair."""
