@@ -48,6 +48,10 @@ from roseray.bench.stream_connection import StreamConnection, encode_post
 from roseray.server import request_trace
 from roseray.server.metrics_share import PUBLISH_INTERVAL_S
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from pool_pairs import http_goes_first, pair_gap_s  # noqa: E402  (the pairs' order, defined once)
+
 
 def _request(port: int, model: str, max_tokens: int, request_id: str | None = None) -> bytes:
     """One W-seed-like streaming completion, encoded once and sent as these bytes (with an
@@ -298,7 +302,7 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
             it (even pairs): on this host the engines' speed drifts within seconds, so a pair's
             two bursts are kept next to each other (scripts/pair_noise.py: two identical engines
             differ by a median 3% back to back and 22% three seconds apart)."""
-            if (index % 2 == 0) == http_done:
+            if http_goes_first(index) == http_done:
                 with host_cpu_use(host) as host_cpu:
                     run = seed.burst()
                 inproc_runs[index] = {**run, **host_cpu}
@@ -320,9 +324,7 @@ def measure_interleaved(port: int, model: str, n: int, max_tokens: int, processe
     ratios = [h["throughput_tok_s"] / i["throughput_tok_s"] for h, i in warm]
     result["pair_ratios"] = ratios
     result["median_pair_ratio"] = float(np.median(ratios))
-    # from the end of a pair's first burst to the start of its second
-    gaps = [(i["started_unix"] - h["ended_unix"]) if index % 2 == 0 else (h["started_unix"] - i["ended_unix"])
-            for index, (h, i) in enumerate(warm, start=1)]
+    gaps = [pair_gap_s(index, h, i) for index, (h, i) in enumerate(warm, start=1)]
     result["pair_gap_ms_median"] = float(np.median(gaps)) * 1e3
     result.update(placement)
     print(f"pairs: HTTP / in-process {', '.join(f'{r:.0%}' for r in ratios)}; median {np.median(ratios):.0%}; "

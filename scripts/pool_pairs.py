@@ -46,16 +46,28 @@ def load_run(path: str) -> dict:
         return json.load(f)
 
 
+def http_goes_first(index: int) -> bool:
+    """Whether pair `index` of http_vs_inprocess.py --interleave sends its HTTP burst first
+    (the two sides take turns, HTTP first in pair 0)."""
+    return index % 2 == 0
+
+
+def pair_gap_s(index: int, http: dict, inproc: dict) -> float | None:
+    """Seconds from the end of pair `index`'s first burst to the start of its second (None
+    for runs that did not record the bursts' start)."""
+    first, second = (http, inproc) if http_goes_first(index) else (inproc, http)
+    if "started_unix" not in second or "ended_unix" not in first:
+        return None
+    return second["started_unix"] - first["ended_unix"]
+
+
 def warm_pairs(run: dict) -> list[dict]:
     """One row per warm pair (the first pass of each side warms up)."""
     rows = []
     for index, (http, inproc) in enumerate(zip(run["http"]["all_passes"], run["in_process"]["all_passes"])):
         if index == 0:
             continue
-        http_first = index % 2 == 0  # http_vs_inprocess.py --interleave: even pairs send HTTP first
-        first, second = (http, inproc) if http_first else (inproc, http)
-        gap = (second["started_unix"] - first["ended_unix"] if "started_unix" in second and "ended_unix" in first
-               else None)
+        gap = pair_gap_s(index, http, inproc)
         per_step_http = http["engine_step_us"] + http["engine_output_us"]
         per_step_inproc = inproc["engine_step_us"] + inproc["engine_output_us"]
         rows.append({
@@ -67,7 +79,7 @@ def warm_pairs(run: dict) -> list[dict]:
             "queue_ms": http.get("server_queue_mean_ms"),
             "ttft_p99_ms": http["ttft_ms"]["p99"],
             "switches": http.get("engine_process_involuntary_switches"),
-            "http_first": http_first,
+            "http_first": http_goes_first(index),
             "gap_ms": None if gap is None else gap * 1e3,
         })
     return rows
