@@ -23,9 +23,9 @@ install-test: $(BIN)/python
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q "$(TORCH)" -e ".[serve,test,bench]"
 
-# HAProxy-mode flags must be in Ray's environment when it starts (roseray.serve.haproxy_env).
+# HAProxy-mode flags must be in Ray's environment when it starts (roseray.ray_serve.haproxy_env).
 serve: install
-	eval "$$($(BIN)/python -m roseray.serve.haproxy_env)" && $(BIN)/serve run serve_config.yaml
+	eval "$$($(BIN)/python -m roseray.ray_serve.haproxy_env)" && $(BIN)/serve run serve_config.yaml
 
 standalone: install
 	$(BIN)/roseray serve --model random:tiny

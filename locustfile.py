@@ -37,8 +37,7 @@ from gevent.event import Event
 from locust import HttpUser, events, task
 from locust.runners import MasterRunner, WorkerRunner
 
-from roseray.bench.load_shape import (ClosedLoopIndex, PoissonArrivals, Workload, parse_range,
-                                      resolve_prompt_style)
+from roseray.bench.load_shape import ClosedLoopIndex, PoissonArrivals, Workload, parse_range, resolve_prompt_style
 from roseray.bench.locust_report import ClientMonitor, SampleBook, summarize, write_report
 from roseray.bench.sse_stream import StreamResult, body_chunks, read_stream
 

@@ -18,7 +18,7 @@ checks the manifest against this list):
   <app>.args.drain_timeout_s   MAX_STREAM_S: a replaced or scaled-down engine replica finishes its
                                running streams for this long (Ray Serve waits drain_timeout_s + 5 s)
 
-where <app> is every application whose import_path is roseray's (roseray.serve.app:build_app).
+where <app> is every application whose import_path is roseray's (roseray.ray_serve.app:build_app).
 Only the cluster parts of the manifest are written by hand; this script rewrites the
 `serveConfigV2: |` block and leaves every other line as it is.
 """
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 SERVE_CONFIG = REPO / "serve_config.yaml"
 MANIFEST = REPO / "deploy" / "kuberay" / "rayservice.yaml"
 
-ROSERAY_IMPORT_PATH = "roseray.serve.app:build_app"
+ROSERAY_IMPORT_PATH = "roseray.ray_serve.app:build_app"
 CLUSTER_HOST = "0.0.0.0"
 MAX_STREAM_S = 600  # the longest stream a rolling update, scale-down or cluster upgrade lets finish
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -314,7 +314,7 @@ def _general_kernel(
 # ---------------------------------------------------------------------------------------
 # Host side
 # ---------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

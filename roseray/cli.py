@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             build_parser().error("--api-processes must be at least 1")
         if args.api_processes > 1:
             return _serve_api_processes(args, api_key)
-        from roseray.server.standalone import run_standalone  # FastAPI/uvicorn only when serving
+        from roseray.openai_api.standalone import run_standalone  # FastAPI/uvicorn only when serving
 
         run_standalone(engine_config_from_args(args), host=args.host, port=args.port, api_key=api_key,
                        served_model_name=args.served_model_name, log_prompts=args.log_prompts,
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_api_processes(args: argparse.Namespace, api_key: str | None) -> int:
-    from roseray.server.api_processes import run_api_processes  # serving only
+    from roseray.openai_api.api_processes import run_api_processes  # serving only
 
     settings = {"api_key": api_key, "served_model_name": args.served_model_name, "log_prompts": args.log_prompts,
                 "drain_timeout_s": args.drain_timeout, "cors_origins": args.cors_origins,

@@ -78,7 +78,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
 
     @classmethod
-    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:

@@ -21,8 +21,9 @@ import json
 import logging
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 

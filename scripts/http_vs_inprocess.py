@@ -35,18 +35,25 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from roseray.bench.common import (engine_cpu_use, engine_time_from_metrics, engine_time_split, histogram_totals,
-                                  percentiles, run_async, server_time_split)
+from roseray.bench.common import (
+    engine_cpu_use,
+    engine_time_from_metrics,
+    engine_time_split,
+    histogram_totals,
+    percentiles,
+    run_async,
+    server_time_split,
+)
 from roseray.bench.cpu_placement import keep_off, pin_process, restore
 from roseray.bench.host_cpu import HostCPU, host_cpu_use, median_host_cpu
 from roseray.bench.stream import SeedEngine, median_pass, run_seed
 from roseray.bench.stream_connection import StreamConnection, encode_post
-from roseray.server import request_trace
-from roseray.server.metrics_share import PUBLISH_INTERVAL_S
+from roseray.openai_api import request_trace
+from roseray.openai_api.metrics_share import PUBLISH_INTERVAL_S
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,12 +221,12 @@ def _settled_request_times(port: int, before_page: str, n: int, timeout_s: float
 
 
 def engine_process_pid() -> int | None:
-    """The pid of the one `roseray.engine.engine_process` on this machine (the server's), or None."""
+    """The pid of the one `roseray.runtime.engine_process` on this machine (the server's), or None."""
     found = []
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
-                if b"roseray.engine.engine_process" in f.read():
+                if b"roseray.runtime.engine_process" in f.read():
                     found.append(int(name))
         except (OSError, ValueError):
             continue

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 # ---- one local Ray Serve cluster for the whole session ------------------------------------------------------
 # tests/test_hardening_ray.py, test_locust.py and test_serve_e2e.py share it (one ~20 s start
 # instead of three). Serve reads its HAProxy flags when it is imported, so the cluster runs
-# in a subprocess (this file, run as a script) started with roseray.serve.haproxy_env's
+# in a subprocess (this file, run as a script) started with roseray.ray_serve.haproxy_env's
 # environment; the test side talks to it over stdin/stdout, one JSON command per line:
 #   {"op": "engines"}                   (node ip, port) of every engine replica's HTTP port
 #   {"op": "replicas"}                  the Engine replicas as Serve's API lists them
@@ -65,8 +65,8 @@ def _run_ray_cluster(cfg: dict) -> None:
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
     from ray.serve.schema import ServeInstanceDetails
 
-    from roseray.serve import wiring
-    from roseray.serve.app import build_app
+    from roseray.ray_serve import wiring
+    from roseray.ray_serve.app import build_app
 
     with open(os.path.join(_REPO, "serve_config.yaml")) as f:
         config = yaml.safe_load(f)
@@ -125,7 +125,7 @@ class RayServeCluster:
 
     def __init__(self, args: dict | None = None) -> None:
         """`args`: app args over the shared cluster's (tests/test_serve_api_processes.py)."""
-        from roseray.serve.haproxy_env import ROUTER_REPLICAS_ENV, haproxy_env
+        from roseray.ray_serve.haproxy_env import ROUTER_REPLICAS_ENV, haproxy_env
 
         self.state_dir = tempfile.mkdtemp(prefix="rrh", dir="/tmp")  # short: HAProxy's unix socket paths
         self.ray_tmp = tempfile.mkdtemp(prefix="rrt", dir="/tmp")

@@ -13,8 +13,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from roseray.bench.cpu_placement import last_cpu
-
 
 def percentiles(values, qs=(50, 95, 99)) -> dict[str, float]:
     arr = np.asarray(values, dtype=np.float64)
@@ -82,9 +80,6 @@ def engine_cpu_use(pid: int | None):
         moved = migrations(pid)
         if moves is not None and moved is not None:
             found["engine_process_migrations"] = moved - moves
-        cpu = last_cpu(pid)
-        if cpu is not None:
-            found["engine_process_last_cpu"] = cpu
 
 
 ENGINE_TIME_METRICS = ("roseray:engine_steps_total", "roseray:engine_step_seconds_total",

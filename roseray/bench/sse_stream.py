@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 DONE = "[DONE]"
 
@@ -67,7 +67,7 @@ class StreamResult:
             return None
         return (self.e2e - self.ttft) / (self.completion_tokens - 1)
 
-    def fail(self, error: str, detail: str, status: int | None = None) -> "StreamResult":
+    def fail(self, error: str, detail: str, status: int | None = None) -> StreamResult:
         self.error, self.detail = error, detail
         if status is not None:
             self.status = status

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from roseray.bench.common import percentiles, print_table, write_result
-from roseray.engine.engine import LLMEngine
 from roseray.config import EngineConfig
+from roseray.engine.engine import LLMEngine
 from roseray.sampling_params import SamplingParams
 
 

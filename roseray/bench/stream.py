@@ -19,10 +19,18 @@ import time
 
 import numpy as np
 
-from roseray.bench.common import engine_cpu_use, engine_time_split, percentiles, new_runner, print_table, resolve_loop, write_result
+from roseray.bench.common import (
+    engine_cpu_use,
+    engine_time_split,
+    new_runner,
+    percentiles,
+    print_table,
+    resolve_loop,
+    write_result,
+)
 from roseray.bench.workloads import SEED_MODEL, seed_workload
 from roseray.config import EngineConfig
-from roseray.engine.async_engine import AsyncLLMEngine
+from roseray.runtime.async_engine import AsyncLLMEngine
 
 
 async def _consume(engine: AsyncLLMEngine, request_id: str, prompt, params) -> tuple[float, list[tuple[float, int]]]:
@@ -171,7 +179,7 @@ class SeedEngine:
             self.engine._thread.join(10.0)
         self._runner.close()
 
-    def __enter__(self) -> "SeedEngine":
+    def __enter__(self) -> SeedEngine:
         return self
 
     def __exit__(self, *exc) -> None:

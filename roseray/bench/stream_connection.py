@@ -75,11 +75,11 @@ class StreamConnection(asyncio.Protocol):
         self._keep_alive = True
 
     @classmethod
-    async def open(cls, host: str, port: int) -> "StreamConnection":
+    async def open(cls, host: str, port: int) -> StreamConnection:
         _, connection = await asyncio.get_running_loop().create_connection(cls, host, port)
         return connection
 
-    def request(self, data: bytes) -> "asyncio.Future[StreamedAnswer]":
+    def request(self, data: bytes) -> asyncio.Future[StreamedAnswer]:
         """Send `data` (a whole request); the future gives the answer once it ended."""
         if self.closed or self.transport is None:
             raise ConnectionError("the connection is closed")

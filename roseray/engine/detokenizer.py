@@ -15,7 +15,8 @@ it and SpaceCleanUp applies it to the released text as it streams.
 from __future__ import annotations
 
 import codecs
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the first output token

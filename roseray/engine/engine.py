@@ -17,8 +17,7 @@ from roseray.engine.block_manager import BlockManager
 from roseray.engine.detokenizer import find_stop_string, make_detokenizer, prepare_detokenization
 from roseray.engine.model_runner import ModelRunner
 from roseray.engine.request import FINISH_REASONS, PLACEHOLDER, Request, RequestDelta, RequestLimits, RequestStatus
-from roseray.engine.sampler import Sampler
-from roseray.engine.sampler import PendingSample
+from roseray.engine.sampler import PendingSample, Sampler
 from roseray.engine.scheduler import Scheduler, SchedulerOutput
 from roseray.models.loader import load_model, load_model_config
 from roseray.sampling_params import SamplingParams
@@ -199,8 +198,8 @@ class LLMEngine:
         # Penalties need every sampled token on the host before the next sample.
         return self.overlap and self._num_penalty_requests == 0
 
-    def _launch(self, batch: SchedulerOutput, in_flight: "InFlightStep | None",
-                deltas: list[RequestDelta]) -> "InFlightStep | None":
+    def _launch(self, batch: SchedulerOutput, in_flight: InFlightStep | None,
+                deltas: list[RequestDelta]) -> InFlightStep | None:
         """Forward and sample `batch` on the device; advance every request as if its new
         token had arrived (a PLACEHOLDER until the results are processed)."""
         reqs = batch.requests
@@ -231,7 +230,7 @@ class LLMEngine:
             req.output_token_ids.append(PLACEHOLDER)
         return InFlightStep(chunks, sampling, output_index, sample)
 
-    def _process(self, step: "InFlightStep") -> list[RequestDelta]:
+    def _process(self, step: InFlightStep) -> list[RequestDelta]:
         """Turn a launched step's sampled tokens into request updates and deltas (the
         per-token hot loop of the host: keep it to attribute reads and list writes)."""
         sampled = step.sample.result()

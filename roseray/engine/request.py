@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from roseray.sampling_params import SamplingParams
 
-
 PLACEHOLDER = -1  # a token id the device has sampled but the host has not seen yet
 
 
@@ -199,7 +198,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
     @classmethod
-    def from_request(cls, req: Request) -> "RequestOutput":
+    def from_request(cls, req: Request) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
             text=req.output_text,

@@ -75,7 +75,7 @@ class BatchParams:
     plain: list[bool]  # greedy or temperature alone: what the fused Gumbel-max kernel samples
 
     @classmethod
-    def from_requests(cls, requests: list[Request], vocab_size: int) -> "BatchParams":
+    def from_requests(cls, requests: list[Request], vocab_size: int) -> BatchParams:
         p = cls([], [], [], [], [], [], [], [], [], [], [])
         for row, req in enumerate(requests):
             sp = req.sampling_params
@@ -140,7 +140,7 @@ class Sampler:
         return self.launch(logits, requests).result()
 
     def launch(self, logits: torch.Tensor, requests: list[Request], all_plain_greedy: bool = False,
-               argmax: torch.Tensor | None = None) -> "PendingSample":
+               argmax: torch.Tensor | None = None) -> PendingSample:
         """Sample on the device and start the copy of the results to the host; nothing
         waits for the GPU until `PendingSample.result()`. `all_plain_greedy`: the caller
         knows every request wants the argmax alone (skips gathering per-row parameters).

@@ -16,8 +16,9 @@ Backends:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -152,7 +153,7 @@ _BACKEND: AttentionBackend = TorchAttentionBackend()
 # Set while the model runner captures piecewise CUDA graphs: called instead of the attention
 # itself (after the KV append), it ends the graph being captured and returns the buffer the
 # attention will write at replay (roseray.engine.piecewise_graphs).
-_SPLIT: Callable[["Attention", torch.Tensor], torch.Tensor] | None = None
+_SPLIT: Callable[[Attention, torch.Tensor], torch.Tensor] | None = None
 
 
 def set_attention_backend(backend: AttentionBackend) -> None:
@@ -171,7 +172,7 @@ def attention_metadata(meta: AttentionMetadata) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def attention_split(split: Callable[["Attention", torch.Tensor], torch.Tensor]) -> Iterator[None]:
+def attention_split(split: Callable[[Attention, torch.Tensor], torch.Tensor]) -> Iterator[None]:
     global _SPLIT
     previous, _SPLIT = _SPLIT, split
     try:

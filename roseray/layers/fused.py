@@ -9,7 +9,7 @@ captures the kernel path); Triton stays optional where there is no GPU.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -5,7 +5,8 @@ once, any unknown or missing tensor a clear error)."""
 from __future__ import annotations
 
 import itertools
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn

@@ -11,7 +11,7 @@ are the ones Hugging Face takes, in the same order.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn

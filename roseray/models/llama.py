@@ -13,7 +13,7 @@ on CPU the same layers run their torch code.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn

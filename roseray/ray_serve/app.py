@@ -1,0 +1,316 @@
+"""roseray on Ray Serve: Engine replicas (the data plane) behind a Router (the control plane).
+
+    client -> HAProxy --POST--> Router /internal/route: KVQueueRequestRouter picks a replica,
+                                signs a ticket (router.policy power_of_two: Ray Serve's
+                                default PowerOfTwoChoicesRequestRouter picks, for comparison)
+           -> HAProxy --------> that Engine replica's own FastAPI app (checks the ticket,
+                                streams SSE itself: no Ray object per token)
+
+`build_app(args)` is the import path of serve_config.yaml. HAProxy mode must be on in
+the environment of Ray (see roseray.ray_serve.haproxy_env).
+
+No `from __future__ import annotations` here: Serve ships these classes by value, and
+FastAPI must see the real `Request` annotation of the route methods, not a string.
+"""
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Literal
+
+import ray
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from roseray.config import EngineConfig
+from roseray.openai_api.api import create_app
+from roseray.openai_api.body_limit import DEFAULT_MAX_BODY_BYTES
+from roseray.openai_api.metrics_share import MetricsShare
+from roseray.ray_serve import wiring
+from roseray.ray_serve.haproxy_env import ROUTER_REPLICAS_ENV, router_replicas_in_env
+from roseray.ray_serve.replica_api_processes import ReplicaAPIProcesses, start_shared_engine
+from roseray.ray_serve.router_endpoint import RouterEndpoint
+from roseray.ray_serve.router_server import LeanRouterServer
+from roseray.ray_serve.routing import HintConfig, KVQueueRequestRouter, hint_from_body
+from roseray.ray_serve.ticket import TicketSigner, new_secret
+from roseray.runtime.async_engine import AsyncLLMEngine
+
+API_KEY_ENV = "ROSERAY_API_KEY"
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_api_key(configured: str | None) -> str | None:
+    """The app's `api_key`, else ROSERAY_API_KEY from the replica's environment (runtime_env
+    env_vars, or the node's environment at `ray start`), which keeps the key out of the
+    Serve config that the dashboard and `serve status` show. None: no key required."""
+    return configured or os.environ.get(API_KEY_ENV) or None
+
+
+@serve.deployment(name="Engine")
+@serve.ingress()
+class EngineDeployment:
+    """One engine replica: a full continuous-batching engine and its OpenAI app."""
+
+    def __init__(self, engine_config: dict, ticket_secret: str, served_model_name: str | None = None,
+                 api_key: str | None = None, drain_timeout_s: float = 30.0, stuck_after_s: float = 60.0,
+                 log_requests: bool = False, cors_origins: list[str] | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_processes: int = 1) -> None:
+        config = EngineConfig(**engine_config)
+        self.tickets = TicketSigner(ticket_secret)
+        context = serve.get_replica_context()
+        self.replica_name = f"{context.deployment}#{context.replica_id.unique_id}"
+        api_key = resolve_api_key(api_key)
+        settings = dict(served_model_name=served_model_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
+                        log_requests=log_requests, cors_origins=list(cors_origins or ()), max_body_bytes=max_body_bytes)
+        self.api_processes: ReplicaAPIProcesses | None = None
+        metrics_share = None
+        if api_processes > 1:  # API processes take over the replica's port (replica_api_processes.py)
+            self.engine, self.api_processes = start_shared_engine(
+                config, api_processes, stuck_after_s=stuck_after_s, app_name=context.app_name,
+                settings={**settings, "replica_name": self.replica_name, "ticket_secret": ticket_secret,
+                          "log_level": "warning"})
+            metrics_share = MetricsShare(self.api_processes.metrics_dir, 0)
+        else:
+            self.engine = AsyncLLMEngine.from_engine_config(config, stuck_after_s=stuck_after_s)
+        self.engine.start()
+        llm = self.engine.engine
+        self._app_kwargs = dict(model_name=served_model_name or llm.model_name, max_model_len=llm.max_model_len,
+                                replica_name=self.replica_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
+                                log_requests=log_requests, max_logprobs=llm.config.max_logprobs,
+                                cors_origins=tuple(cors_origins or ()), max_body_bytes=max_body_bytes,
+                                metrics_share=metrics_share)
+        if self.api_processes is not None:
+            self.api_processes.start()  # once Serve's server listens, after this constructor
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = create_app(self.engine, self.engine.engine.tokenizer, request_guard=self._check_ticket,
+                         **self._app_kwargs)
+        if self.api_processes is not None:
+            app.router.lifespan_context = self.api_processes.around_lifespan(app.router.lifespan_context)
+        return app
+
+    def _check_ticket(self, request: Request) -> str | None:
+        if wiring.came_through_serve_proxy(request.scope):
+            return None  # HAProxy's fallback path: Serve's proxy routed it with the deployment's RequestRouter
+        return self.tickets.check_request(request)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        s = self.engine.stats
+        return {"queue": max(s.queue_depth, self.engine.num_active_requests), "running": s.num_running,
+                "waiting": s.num_waiting, "kv_free": s.num_free_blocks, "kv_total": s.num_total_blocks,
+                "ts": time.time()}
+
+    def check_health(self) -> None:
+        self.engine.check_health()
+        if self.api_processes is not None:
+            self.api_processes.check()
+
+    async def check_integrity(self) -> dict[str, Any]:
+        """The engine's KV accounting check, run between two steps (through a DeploymentHandle:
+        operators and tests; not an HTTP route). Raises if the accounting is broken."""
+        return {"replica": self.replica_name, **await self.engine.check_integrity()}
+
+
+@serve.deployment(name="Router")
+@serve.ingress()
+class RouterDeployment:
+    """Answers HAProxy's /internal/route: which Engine replica, plus its ticket.
+
+    Its HTTP app is roseray.ray_serve.router_endpoint's plain ASGI callable, not FastAPI: the
+    decisions of a burst queue one after another in this replica, and FastAPI's per-request
+    machinery was a third of each (scripts/ray_burst_probe.py). ROUTER_ACTOR_OPTIONS run the
+    app and the DeploymentHandle's router on the replica's own event loop. Once Serve's server
+    listens, a lean asyncio server (router_server.py) takes the replica's port over and answers
+    with the same RouterEndpoint, without uvicorn and Serve's per-request wrapper; Serve's
+    server stays if that fails (`lean_server=False`: keep Serve's)."""
+
+    def __init__(self, engine: DeploymentHandle, ticket_secret: str, hint_config: dict,
+                 policy: str = "kv_queue", lean_server: bool = True) -> None:
+        self.engine = engine
+        self.tickets = TicketSigner(ticket_secret)
+        self.hint_config = HintConfig(**hint_config)
+        self.policy = policy
+        self.endpoint = RouterEndpoint(self.pick, self.tickets)
+        if lean_server:  # takes the port over from Serve's server once it listens (router_server.py)
+            try:
+                server = LeanRouterServer(self.endpoint, serve.get_replica_context().app_name)
+            except RuntimeError as error:  # no running event loop here (a Ray upgrade?)
+                logger.warning("the lean /internal/route server cannot start; Serve's server answers: %r", error)
+            else:
+                self.endpoint.on_shutdown.append(server.stop)
+                server.start()
+
+    def __serve_build_asgi_app__(self) -> RouterEndpoint:
+        return self.endpoint
+
+    async def pick(self, body: bytes, session_id: str | None, truncated: str | None) -> wiring.ReplicaPick:
+        """The replica for one request (RuntimeError: none can take it now)."""
+        if self.policy == "power_of_two":
+            return await pick_with_reservation(self.engine)
+        return await wiring.pick_replica(self.engine, hint_from_body(body, session_id, self.hint_config, truncated))
+
+
+# The Router replica's process runs its HTTP app and its DeploymentHandle's RequestRouter on
+# the replica's own event loop (Serve's defaults: the app on a second thread and loop, the
+# handle's router on a third; every decision then crosses threads four times). Read by Serve
+# when the replica's process imports it, so they travel in the replica's runtime_env, not in
+# the node's environment: the Engine replicas keep Serve's defaults. Per decision on a 2-core
+# box: ~0.45 -> ~0.37 ms of the Router's CPU (scripts/ray_burst_probe.py, CPU of the replica).
+ROUTER_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+ROUTER_ACTOR_OPTIONS = {"num_cpus": 0, "runtime_env": {"env_vars": ROUTER_ENV_VARS}}
+
+
+async def pick_with_reservation(handle: DeploymentHandle) -> wiring.ReplicaPick:
+    """The replica chosen by the deployment's RequestRouter through Serve's full procedure:
+    `choose_replica()` with its default slot reservation, as a DeploymentHandle call routes.
+
+    For router.policy power_of_two (Ray's PowerOfTwoChoicesRequestRouter). The pick-only
+    path (`wiring.pick_replica`, `_reserve=False`) takes the first replica the router ranks
+    and never looks at queue lengths; Ray's class ranks two random replicas unsorted, so
+    through that path it would route at random. Here Serve keeps the one of the two with
+    the shorter queue (its cached lengths: refreshed by every reservation's and release's
+    reply, probed when missing or older than 10 s), reserves a slot there and releases it
+    when this returns, since HAProxy, not Serve, carries the request: two actor calls per
+    request that KVQueueRequestRouter does not make. A queue length is the replica's count
+    of ongoing requests, streams on its own port included; picks still on their way there
+    are not in it."""
+    return await wiring.pick_replica(handle, reserve=True)
+
+
+class RouterArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    stats_period_s: float = 0.5  # how often Serve pulls record_routing_stats from each engine replica
+    affinity_max_imbalance: int = 4  # prefix affinity yields when its replica's queue is longer than this
+    chars_per_token: float | None = None  # prompt-size estimate; default 1 for random:* (bytes), 4 otherwise
+    # Router replicas on each proxy node. Ray 2.60 sizes the Router by RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE
+    # (read at `ray start`: `python -m roseray.ray_serve.haproxy_env [--router-replicas-per-node N]`, whose auto
+    # is 4 on a GPU node, 1 without), not by this. "auto": what that environment says; a number must agree
+    # with it, so that the config says what runs.
+    num_replicas: int | Literal["auto"] = "auto"
+    # kv_queue: roseray's KVQueueRequestRouter (queue depth, free KV blocks, prefix affinity).
+    # power_of_two: Ray Serve's default PowerOfTwoChoicesRequestRouter on the same data path
+    # (HAProxy -> Router -> the replica streams itself), to compare routers; ignores the KV
+    # stats and affinity_max_imbalance.
+    policy: Literal["kv_queue", "power_of_two"] = "kv_queue"
+
+    @field_validator("num_replicas")
+    @classmethod
+    def _ray_runs_that_many(cls, value: int | str) -> int | str:
+        per_node = router_replicas_in_env()
+        if value != "auto" and value != per_node:
+            raise ValueError(f"router.num_replicas={value}, but Ray runs {ROUTER_REPLICAS_ENV}={per_node} Router "
+                             f"replica(s) per proxy node and ignores the deployment's count: start Ray after "
+                             f"`eval \"$(python -m roseray.ray_serve.haproxy_env --router-replicas-per-node {value})\"`")
+        return value
+
+    def replicas(self) -> int:
+        """The Router replicas Ray runs on each proxy node."""
+        return router_replicas_in_env() if self.num_replicas == "auto" else self.num_replicas
+
+
+# API processes per GPU engine replica under "auto". Four write every stream every step (a chunk
+# gap of 1.0-1.2x the step at 128 streams of GPT-2 on an H100). Two (BENCHMARKS.md, "two API
+# processes or four") let the replica's engine step as fast as an in-process engine beside it
+# (beside four it stepped ~7% slower: one more client to send each step to and one more busy
+# process each), but each admits twice the burst and writes two steps at once now and then: the
+# median pair rose from 83% to 87% of the in-process engine, within the runs' noise, while TTFT
+# p50 went from 14 to 21 ms and chunk gaps to 1.1-1.5x the step.
+GPU_REPLICA_API_PROCESSES = 4
+
+
+class AppArgs(BaseModel):
+    """The `args:` of serve_config.yaml."""
+
+    model_config = ConfigDict(extra="forbid")
+    engine: dict[str, Any] = Field(default_factory=dict)  # roseray.config.EngineConfig fields
+    num_replicas: int | Literal["auto"] = "auto"  # "auto": one per GPU in the cluster, or 1 without GPUs
+    num_gpus_per_replica: float | Literal["auto"] = "auto"  # "auto": 1 when the cluster has GPUs, else 0
+    num_cpus_per_replica: float = 1.0
+    # processes that write each engine replica's HTTP streams, on the replica's port: 1 is the replica's
+    # own server; N > 1 starts N API processes that take the port over (serve/replica_api_processes.py).
+    # "auto": GPU_REPLICA_API_PROCESSES on GPU replicas (one process cannot write 128 streams every
+    # 0.7 ms step), 1 on CPU.
+    # More than 1 needs the engine in its own process (engine.engine_process; the default on CUDA).
+    api_processes_per_replica: int | Literal["auto"] = "auto"
+    served_model_name: str | None = None
+    api_key: str | None = None  # or ROSERAY_API_KEY in the engine replicas' environment (kept out of this config)
+    cors_origins: list[str] = Field(default_factory=list)  # browser origins allowed to call the API; none by default
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)  # larger request bodies get 413
+    ticket_secret: str | None = None  # shared by Router and Engine; random per build when unset
+    drain_timeout_s: float = 30.0
+    stuck_after_s: float = 60.0  # check_health fails when the engine loop makes no progress this long
+    log_requests: bool = False
+    router: RouterArgs = Field(default_factory=RouterArgs)
+
+
+def _placement(args: AppArgs) -> tuple[int, float]:
+    gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+    num_gpus = (1.0 if gpus else 0.0) if args.num_gpus_per_replica == "auto" else float(args.num_gpus_per_replica)
+    if args.num_replicas == "auto":
+        num_replicas = max(1, int(gpus // num_gpus)) if num_gpus else 1
+    else:
+        num_replicas = int(args.num_replicas)
+    return num_replicas, num_gpus
+
+
+def _api_processes(args: AppArgs, num_gpus: float, engine_config: EngineConfig) -> int:
+    if args.api_processes_per_replica == "auto":
+        return GPU_REPLICA_API_PROCESSES if num_gpus and engine_config.engine_process is not False else 1
+    if args.api_processes_per_replica < 1:
+        raise ValueError("api_processes_per_replica must be >= 1")
+    return args.api_processes_per_replica
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """The roseray application: Engine replicas with the Router as their ingress request router."""
+    wiring.check_ray_version()
+    if not wiring.haproxy_enabled():
+        raise RuntimeError(wiring.HAPROXY_REQUIRED)
+    app_args = AppArgs(**(args or {}))
+    engine_config = EngineConfig(**app_args.engine)  # validate here, with a clear error, before any replica starts
+    num_replicas, num_gpus = _placement(app_args)
+    api_processes = _api_processes(app_args, num_gpus, engine_config)
+    if api_processes > 1:
+        if engine_config.engine_process is False:
+            raise ValueError(f"api_processes_per_replica={api_processes} needs the engine in its own process: "
+                             "drop engine.engine_process: false, or set api_processes_per_replica: 1")
+        engine_config = dataclasses.replace(engine_config, engine_process=True)
+    secret = app_args.ticket_secret or new_secret()
+    chars_per_token = app_args.router.chars_per_token or (1.0 if engine_config.model.startswith("random:") else 4.0)
+    hint_config = dataclasses.asdict(HintConfig(block_size=engine_config.block_size, chars_per_token=chars_per_token))
+
+    if app_args.router.policy == "power_of_two":
+        router_class: dict[str, Any] = {}  # RequestRouterConfig's default: Ray's PowerOfTwoChoicesRequestRouter
+    else:
+        router_class = {"request_router_class": KVQueueRequestRouter,
+                        "request_router_kwargs": {"affinity_max_imbalance": app_args.router.affinity_max_imbalance}}
+
+    engine = EngineDeployment.options(
+        num_replicas=num_replicas,
+        ray_actor_options={"num_gpus": num_gpus, "num_cpus": app_args.num_cpus_per_replica},
+        max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_waiting_requests + 64,
+        # the drain, then (API processes) their own uvicorn shutdown and the engine child's exit
+        graceful_shutdown_timeout_s=app_args.drain_timeout_s + (5 if api_processes == 1 else 20),
+        health_check_period_s=5.0,
+        health_check_timeout_s=30.0,
+        request_router_config=RequestRouterConfig(
+            **router_class,
+            request_routing_stats_period_s=app_args.router.stats_period_s,
+            request_routing_stats_timeout_s=max(1.0, 2 * app_args.router.stats_period_s),
+        ),
+    ).bind(dataclasses.asdict(engine_config), secret, app_args.served_model_name, app_args.api_key,
+           app_args.drain_timeout_s, app_args.stuck_after_s, app_args.log_requests, app_args.cors_origins,
+           app_args.max_body_bytes, api_processes)
+    router = RouterDeployment.options(
+        num_replicas=app_args.router.replicas(), ray_actor_options=ROUTER_ACTOR_OPTIONS,
+        max_ongoing_requests=10_000,
+    ).bind(engine, secret, hint_config, app_args.router.policy)
+    logger.info("roseray app: %d engine replica(s) of %s, %s GPU and %d API process(es) each; %d Router(s) per "
+                "proxy node, policy %s", num_replicas, engine_config.model, num_gpus, api_processes,
+                app_args.router.replicas(), app_args.router.policy)
+    return wiring.attach_ingress_router(engine, router)

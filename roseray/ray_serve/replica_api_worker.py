@@ -1,0 +1,82 @@
+"""One API process of a Ray Serve engine replica, started by replica_api_processes.py.
+
+It serves the replica's OpenAI app (create_app, with the Router's ticket check) on the
+listening socket of the replica's own HTTP server, which the replica passed to it, over an
+EngineProcessClient on its own pipe pair to the replica's engine child; once it serves, it
+says so on its ready pipe. Serve's wrapper answers HAProxy's health check (/-/healthz) on
+that port before the app sees a request; a connection this process accepts never meets
+that wrapper, so `ServeProbes` answers it the same way. Settings come as JSON through a pipe (the API key and the
+ticket secret stay off the command line). SIGTERM drains as in `roseray serve`; when the
+replica's process ends, the lifeline pipe ends and this process drains and stops too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+
+from roseray.config import EngineConfig
+from roseray.openai_api.api_worker import connect_async_engine, read_all, stop_when_parent_dies, worker_parser
+from roseray.openai_api.metrics_share import MetricsShare
+from roseray.openai_api.standalone import build_server
+from roseray.ray_serve import wiring
+from roseray.ray_serve.ticket import TicketSigner
+from roseray.runtime.async_engine import AsyncLLMEngine, LoopState
+
+
+class ServeProbes:
+    """Answers HAProxy's health check, GET /-/healthz, as Serve's replica wrapper does: 200
+    "success" while the engine serves, 503 "DRAINING" once it drains, 503 "UNHEALTHY" when
+    its loop is dead or stuck. Everything else goes to the app."""
+
+    def __init__(self, app, engine: AsyncLLMEngine) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == wiring.HEALTHZ_PATH:
+            await self._health(send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _health(self, send) -> None:
+        if self.engine.state in (LoopState.DRAINING, LoopState.STOPPED):
+            status, body = 503, b"DRAINING"
+        elif not self.engine.is_ready:
+            status, body = 503, b"UNHEALTHY"
+        else:
+            status, body = 200, wiring.HEALTHY_MESSAGE.encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = worker_parser("one API process of a roseray engine replica on Ray Serve").parse_args(argv)
+    if args.ready_fd is None:
+        raise SystemExit("--ready-fd is required: the replica waits for it")
+    settings = json.loads(read_all(args.settings_fd))
+    replica_name = f"{settings.pop('replica_name')}/api{args.index}"
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s {replica_name} %(name)s: %(message)s")
+    stop_when_parent_dies(args.lifeline_fd)
+    config = EngineConfig(**settings.pop("engine"))
+    engine = connect_async_engine(config, args.commands_fd, args.outputs_fd, stuck_after_s=settings.pop("stuck_after_s"))
+    tickets = TicketSigner(settings.pop("ticket_secret"))  # the Router's signature, as on the replica's own server
+
+    def say_ready() -> None:
+        os.write(args.ready_fd, b"1")
+        os.close(args.ready_fd)
+
+    sock = socket.socket(fileno=args.socket_fd)
+    build_server(engine, replica_name=replica_name, request_guard=tickets.check_request,
+                 metrics_share=MetricsShare(args.metrics_dir, args.index), wrap_app=lambda app: ServeProbes(app, engine),
+                 on_started=say_ready, **settings).run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,351 @@
+"""Which engine replica serves a request: roseray's Ray Serve RequestRouter.
+
+Signals, per replica:
+  * `routing_stats` from the engine's `record_routing_stats` (pushed by Serve every
+    `request_routing_stats_period_s`): queue depth, free/total KV blocks, and `ts`, the
+    replica's clock when the snapshot was taken;
+  * this router's own picks since that snapshot. The HAProxy ingress router picks with
+    `choose_replica(_reserve=False)`, so nothing else tells it about requests it sent
+    after the last snapshot; without counting them every request of a burst would land
+    on the same replica (herding). A pick still counts until a snapshot taken
+    `pick_grace_s` after it: a request needs a moment to travel from the pick through
+    HAProxy to the replica, and a snapshot taken meanwhile does not contain it yet.
+
+Ranking: replicas whose (estimated) free blocks can hold the request first, then the
+shortest queue, then the most free blocks, ties broken at random. Prefix affinity: the
+router remembers which replica it sent each prompt block-hash chain to; a request whose
+longest known prefix lives on a replica goes there, unless that replica's queue is more
+than `affinity_max_imbalance` above the shortest (the load gate) or it cannot hold it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import math
+import random
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+
+@dataclass(frozen=True)
+class RoutingHint:
+    """What the router knows of a request before it is sent."""
+
+    need_blocks: int = 1  # KV blocks the request needs (estimated)
+    prefix_hashes: tuple[int, ...] = ()  # block-hash chain of the prompt, shortest prefix first
+
+    @classmethod
+    def from_route_arg(cls, arg: Any) -> RoutingHint | None:
+        """The hint passed to choose_replica, by its fields: Serve ships this module's
+        RequestRouter by value, so in the router its RoutingHint is another class object
+        than the caller's and isinstance() cannot be used."""
+        need_blocks, prefix_hashes = getattr(arg, "need_blocks", None), getattr(arg, "prefix_hashes", None)
+        if not isinstance(need_blocks, int) or not isinstance(prefix_hashes, tuple):
+            return None
+        return cls(need_blocks, prefix_hashes)
+
+
+@dataclass(frozen=True)
+class HintConfig:
+    block_size: int = 16
+    chars_per_token: float = 4.0  # prompt text -> token estimate (1.0 for the byte tokenizer)
+    affinity_block_chars: int = 256  # text per affinity hash block
+    max_affinity_blocks: int = 64
+
+
+def _chain(parts: Iterable[bytes]) -> tuple[int, ...]:
+    hashes, parent = [], b""
+    for part in parts:
+        digest = hashlib.blake2b(parent + part, digest_size=8).digest()
+        hashes.append(int.from_bytes(digest, "little"))
+        parent = digest
+    return tuple(hashes)
+
+
+def hint_from_body(body: bytes, session_id: str | None, config: HintConfig,
+                   truncated: str | None = None) -> RoutingHint:
+    """A RoutingHint from the (possibly truncated) OpenAI body HAProxy forwarded, or from
+    a session id; the default hint when neither says anything.
+
+    `truncated`: HAProxy's X-Body-Truncated header ("<forwarded>/<full>" bytes) when the body
+    was longer than its buffer: the JSON is then closed where it was cut (the prompt's head
+    still gives the affinity chain) and the prompt-size estimate is scaled to the full body."""
+    data, parsed = _loads_or_head(body)
+    if not isinstance(data, dict):
+        data = {}
+    raw, size, prompt_tokens = _prompt_bytes(data, config)
+    scale = _truncation_scale(truncated, parsed, len(body))
+    if scale > 1.0:
+        prompt_tokens = math.ceil(prompt_tokens * scale)
+    max_tokens = next((data[key] for key in ("max_completion_tokens", "max_tokens")
+                       if isinstance(data.get(key), int) and data[key] > 0), 0)
+    prefix_hashes: tuple[int, ...] = ()
+    if session_id:
+        prefix_hashes = _chain([b"session:" + session_id.encode()])
+    elif raw:
+        blocks = [raw[i:i + size] for i in range(0, len(raw) - size + 1, size)][: config.max_affinity_blocks]
+        prefix_hashes = _chain(blocks)
+    need_blocks = max(1, math.ceil((prompt_tokens + max_tokens) / config.block_size))
+    return RoutingHint(need_blocks=need_blocks, prefix_hashes=prefix_hashes)
+
+
+def _truncation_scale(header: str | None, parsed: int, received: int) -> float:
+    """The full body's size (X-Body-Truncated: "<forwarded>/<full>", else what arrived) over
+    the bytes the hint was read from; 1.0 when all of it was read."""
+    full = received
+    if header:
+        try:
+            full = max(received, int(header.partition("/")[2]))
+        except ValueError:
+            pass
+    return max(1.0, full / parsed) if parsed > 0 else 1.0
+
+
+# JSON tokens: a string, an unterminated string running to the end (a cut body), punctuation,
+# a number or literal. Whitespace between tokens is skipped by finditer.
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"[^"\\]*(?:\\.[^"\\]*)*\\?\Z|[\[\]{},:]|[^\s\[\]{},:"]+')
+_HEX_TAIL = re.compile(r'u[0-9a-fA-F]{0,3}\Z')
+MAX_HEAD_CHARS = 32 * 1024  # of a cut body, what is parsed: more than the affinity chain can use
+
+
+def _loads_or_head(body: bytes) -> tuple[Any, int]:
+    """(json.loads(body), len(body)); for a body cut short (HAProxy forwards at most its
+    buffer), the JSON of its first MAX_HEAD_CHARS up to the last complete value, its open
+    string, arrays and objects closed, and how many bytes that read: the prompt's head
+    survives a cut inside the prompt. (None, 0) when nothing usable is left."""
+    if not body:
+        return None, 0
+    try:
+        return json.loads(body), len(body)
+    except ValueError:
+        pass
+    text = body[:MAX_HEAD_CHARS].decode("utf-8", errors="ignore")
+    closed = _close_json_head(text)
+    if closed is None:
+        return None, 0
+    try:
+        return json.loads(closed), min(len(body), MAX_HEAD_CHARS)
+    except ValueError:
+        return None, 0
+
+
+def _close_json_head(text: str) -> str | None:
+    """`text` (a JSON document cut short) cut back to its last complete value and closed.
+
+    A cut inside a string value keeps the string's head (less a half escape); a cut inside
+    a key, a number or a literal drops that member or element."""
+    stack: list[str] = []  # open "{" / "["
+    expect_key: list[bool] = []  # per open container: an object's next string is a key
+    cut = None  # (index, open containers there) just after the last complete value
+    for match in _JSON_TOKEN.finditer(text):
+        token, end = match.group(), match.end()
+        c = token[0]
+        if c == '"':
+            is_key = bool(stack) and stack[-1] == "{" and expect_key[-1]
+            if len(token) == 1 or token[-1] != '"' or end == len(text) and _unterminated(token):
+                if is_key or not stack:
+                    break
+                return text[:match.start()] + _drop_half_escape(token) + '"' + _closers(stack)
+            if stack and not is_key:
+                cut = (end, tuple(stack))
+        elif c in "{[":
+            stack.append(c)
+            expect_key.append(c == "{")
+        elif c in "}]":
+            if not stack:
+                return None
+            stack.pop()
+            expect_key.pop()
+            if not stack:
+                return text[:end]
+            cut = (end, tuple(stack))
+        elif c == ",":
+            if stack and stack[-1] == "{":
+                expect_key[-1] = True
+        elif c == ":":
+            if stack and stack[-1] == "{":
+                expect_key[-1] = False
+        else:  # a number or a literal: complete only if something follows it
+            if end == len(text):
+                break
+            if stack:
+                cut = (end, tuple(stack))
+    if cut is None:
+        return None
+    index, open_stack = cut
+    return text[:index] + _closers(list(open_stack))
+
+
+def _drop_half_escape(head: str) -> str:
+    """An unterminated string's head less a trailing half escape (a lone backslash, or a
+    backslash-u with fewer than four hex digits), so that a closing quote ends it."""
+    unicode_head = _HEX_TAIL.search(head[-4:])
+    end = len(head) - (len(unicode_head.group()) if unicode_head else 0)
+    run = end - len(head[:end].rstrip("\\"))
+    if run % 2 == 1:  # the last backslash escapes what was cut off
+        return head[:end - 1]
+    return head
+
+
+def _unterminated(token: str) -> bool:
+    """Whether a string token that ends the text lacks its closing quote (its last quote
+    is escaped by an odd run of backslashes, or it is the opening quote itself)."""
+    body = token[1:]
+    if not body.endswith('"'):
+        return True
+    run = len(body) - 1 - len(body[:-1].rstrip("\\"))
+    return run % 2 == 1
+
+
+def _closers(stack: list[str]) -> str:
+    return "".join("}" if c == "{" else "]" for c in reversed(stack))
+
+
+def _prompt_bytes(data: dict, config: HintConfig) -> tuple[bytes, int, int]:
+    """(prompt as bytes, bytes per affinity block, estimated prompt tokens)."""
+    if isinstance(data.get("messages"), list):
+        text = "".join(f"<{m.get('role', '')}>{_content_text(m.get('content'))}"
+                       for m in data["messages"] if isinstance(m, dict))
+        return text.encode(), config.affinity_block_chars, math.ceil(len(text) / config.chars_per_token)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt.encode(), config.affinity_block_chars, math.ceil(len(prompt) / config.chars_per_token)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):  # token ids: 64 per block
+        return b"".join((t & 0xFFFFFFFF).to_bytes(4, "little") for t in prompt), 256, len(prompt)
+    return b"", 1, 0
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+@dataclass
+class _Picks:
+    """This router's picks of one replica not yet visible in its routing stats."""
+
+    seen_ts: float | None = None
+    picks: collections.deque = field(default_factory=collections.deque)  # (time.time(), need_blocks)
+
+
+class RoutingPolicy:
+    """The ranking, free of Ray: candidates are anything with `replica_id` and `routing_stats`."""
+
+    def __init__(self, *, affinity_max_imbalance: int = 4, affinity_capacity: int = 100_000,
+                 pick_grace_s: float = 0.2, unseen_pick_window_s: float = 2.0, seed: int | None = None) -> None:
+        self.affinity_max_imbalance = affinity_max_imbalance
+        self.pick_grace_s = pick_grace_s
+        self.affinity_capacity = affinity_capacity
+        self.unseen_pick_window_s = unseen_pick_window_s
+        self._picks: dict[Any, _Picks] = {}
+        self._affinity: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self._rng = random.Random(seed)
+
+    def _pending(self, replica_id, stats: dict, now: float) -> tuple[int, int]:
+        """(picks, blocks) sent to this replica after its latest snapshot was taken."""
+        entry = self._picks.setdefault(replica_id, _Picks())
+        ts = stats.get("ts")
+        picks = entry.picks
+        if ts is not None:
+            if ts != entry.seen_ts:
+                entry.seen_ts = ts
+                while picks and picks[0][0] <= ts - self.pick_grace_s:
+                    picks.popleft()
+        else:  # no snapshot yet: count recent picks only
+            while picks and picks[0][0] < now - self.unseen_pick_window_s:
+                picks.popleft()
+        return len(picks), sum(blocks for _, blocks in picks)
+
+    def score(self, replica, hint: RoutingHint, now: float) -> tuple[int, int, int]:
+        stats = replica.routing_stats or {}
+        num_picks, picked_blocks = self._pending(replica.replica_id, stats, now)
+        queue = int(stats.get("queue", 0)) + num_picks
+        kv_free = stats.get("kv_free")
+        if kv_free is None:  # no stats yet: assume it fits
+            return 0, queue, 0
+        free = int(kv_free) - picked_blocks
+        return (0 if free >= hint.need_blocks else 1), queue, -free
+
+    def rank(self, candidates: list, hint: RoutingHint | None = None, now: float | None = None) -> list:
+        hint = hint or RoutingHint()
+        now = time.time() if now is None else now
+        scored = [(self.score(r, hint, now), self._rng.random(), r) for r in candidates]
+        scored.sort(key=lambda item: (item[0], item[1]))
+        ranked = [r for _, _, r in scored]
+        target = self._affinity_target(hint, scored)
+        if target is not None:
+            ranked.remove(target)
+            ranked.insert(0, target)
+        return ranked
+
+    def _affinity_target(self, hint: RoutingHint, scored: list):
+        if not hint.prefix_hashes or not scored:
+            return None
+        by_id = {r.replica_id: (score, r) for score, _, r in scored}
+        shortest_queue = min(score[1] for score, _, _ in scored if score[0] == scored[0][0][0])
+        for prefix_hash in reversed(hint.prefix_hashes):  # longest known prefix first
+            replica_id = self._affinity.get(prefix_hash)
+            if replica_id is None or replica_id not in by_id:
+                continue
+            (fits, queue, _), replica = by_id[replica_id]
+            if fits == 0 and queue <= shortest_queue + self.affinity_max_imbalance:
+                return replica
+            return None  # the prefix's replica is too busy or too full: balance instead
+        return None
+
+    def record_pick(self, replica_id, hint: RoutingHint | None = None, now: float | None = None) -> None:
+        hint = hint or RoutingHint()
+        now = time.time() if now is None else now
+        self._picks.setdefault(replica_id, _Picks()).picks.append((now, hint.need_blocks))
+        affinity = self._affinity
+        for prefix_hash in hint.prefix_hashes:
+            affinity[prefix_hash] = replica_id
+            affinity.move_to_end(prefix_hash)
+        while len(affinity) > self.affinity_capacity:
+            affinity.popitem(last=False)
+
+    def forget(self, live_replica_ids: set) -> None:
+        for replica_id in [r for r in self._picks if r not in live_replica_ids]:
+            del self._picks[replica_id]
+
+
+class KVQueueRequestRouter(FIFOMixin, RequestRouter):
+    """roseray's Serve RequestRouter: RoutingPolicy over the engine replicas.
+
+    The RoutingHint travels as the first positional argument of `choose_replica`.
+    Returns one replica per rank, so Serve tries the next only if the first refuses.
+    """
+
+    def initialize_state(self, **kwargs) -> None:
+        self.policy = RoutingPolicy(**kwargs)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not hasattr(self, "policy"):
+            self.initialize_state()
+        hint = None
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+            if pending_request.args:
+                hint = RoutingHint.from_route_arg(pending_request.args[0])
+        ranked = self.policy.rank(candidate_replicas, hint)
+        if ranked and pending_request is not None:
+            self.policy.record_pick(ranked[0].replica_id, hint)
+        return [[replica] for replica in ranked]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if hasattr(self, "policy"):
+            self.policy.forget({r.replica_id for r in replicas})
