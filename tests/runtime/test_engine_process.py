@@ -19,7 +19,7 @@ from roseray.runtime import async_engine
 from roseray.runtime.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState
 from roseray.runtime.engine_process import EngineProcessClient, EngineProcessError, _apply, _loads, encode_step
 from roseray.sampling_params import SamplingParams
-from tests.http.test_server_api import serving, sse_events, wait_until_idle
+from tests.openai_api.test_server_api import serving, sse_events, wait_until_idle
 
 MODEL = "random:tiny"
 

@@ -29,7 +29,7 @@ from roseray.ray_serve.replica_api_worker import ServeProbes
 from roseray.ray_serve.replica_port import listening_socket_fd
 from roseray.runtime.async_engine import LoopState
 from tests.conftest import RayServeCluster
-from tests.ray.test_serve_e2e import wait_for_routing
+from tests.ray_serve.test_serve_e2e import wait_for_routing
 
 API_PROCESSES = 3
 API_KEY = "api-processes-key"  # the app's api_key: every API process checks it

@@ -32,7 +32,7 @@ import pytest
 from roseray.config import EngineConfig
 from roseray.openai_api.standalone import build_server
 from roseray.runtime.async_engine import AsyncLLMEngine
-from tests.http.test_server_api import MODEL, assert_openai_error, serving, wait_until_idle
+from tests.openai_api.test_server_api import MODEL, assert_openai_error, serving, wait_until_idle
 
 TIMEOUT = httpx.Timeout(60, connect=10)
 

@@ -13,7 +13,7 @@ import pytest
 
 from roseray.ray_serve import router_server, wiring
 from roseray.ray_serve.ticket import TICKET_HEADER, TicketSigner
-from tests.ray.test_serve_router_endpoint import PICK, SECRET, endpoint
+from tests.ray_serve.test_serve_router_endpoint import PICK, SECRET, endpoint
 
 
 def lua_request(body: bytes, request_id: str | None = "abc", extra: str = "") -> bytes:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.http.test_server_api import sse_events
+from tests.openai_api.test_server_api import sse_events
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PIDS = re.compile(r"2 API processes on 127\.0\.0\.1:\d+ \(pids (\d+) (\d+)\), one engine process \(pid (\d+)\)")
