@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from roseray.engine.request import RequestDelta
+from roseray.engine.outputs import RequestDelta
 from roseray.openai_api.auth import ApiKeyMiddleware
 from roseray.openai_api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from roseray.openai_api.errors import APIError, error_body, install_error_handlers, param_of

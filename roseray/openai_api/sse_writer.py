@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from roseray.engine.request import RequestDelta
+from roseray.engine.outputs import RequestDelta
 from roseray.runtime.request_stream import RequestStream
 
 RenderDelta = Callable[[RequestDelta], bytes]  # one delta -> its SSE bytes (a finished delta's close the stream)

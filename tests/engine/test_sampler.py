@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from roseray.engine.request import Request
-from roseray.engine.sampler import Sampler, apply_penalties
+from roseray.engine.logits_processors import apply_penalties
+from roseray.engine.sampler import Sampler
 from roseray.layers import fused
 from roseray.sampling_params import SamplingParams
 
@@ -80,8 +81,6 @@ def test_bf16_logits_with_penalties_logprobs_and_sampling_match_their_fp32_upcas
                 make_request(SamplingParams(temperature=1.2, top_p=0.9, logprobs=2, seed=6)),
                 make_request(SamplingParams(temperature=0.0, min_tokens=3), output=[4])]
     got = Sampler(seed=0)(logits, requests)
-    for req in requests:
-        req.generator = None  # the seeded rows start their generators again
     want = Sampler(seed=0)(logits.float(), requests)
     assert got.token_ids == want.token_ids
     assert got.logprobs == want.logprobs and got.sampled_logprobs == want.sampled_logprobs
@@ -419,7 +418,7 @@ def test_cached_prompt_ids_follow_the_request_not_just_its_id():
 def test_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token():
     import torch as _torch
 
-    from roseray.engine.sampler import apply_top_k_top_p
+    from roseray.engine.logits_processors import apply_top_k_top_p
 
     logits = _torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     apply_top_k_top_p(logits, None, _torch.tensor([5e-324], dtype=_torch.float32), num_candidates=4)

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from roseray.engine.request import RequestDelta
+from roseray.engine.outputs import RequestDelta
 from roseray.openai_api.sse_writer import EngineSSEResponse, SSEWriter, send_now
 from roseray.runtime.request_stream import RequestStream
 
