@@ -31,6 +31,8 @@ from roseray.bench.common import (
 from roseray.bench.workloads import SEED_MODEL, seed_workload
 from roseray.config import EngineConfig
 from roseray.runtime.async_engine import AsyncLLMEngine
+from roseray.runtime.engine_client import EngineClient
+from roseray.runtime.process_client import EngineProcessClient
 
 
 async def _consume(engine: AsyncLLMEngine, request_id: str, prompt, params) -> tuple[float, list[tuple[float, int]]]:
@@ -46,31 +48,27 @@ async def _consume(engine: AsyncLLMEngine, request_id: str, prompt, params) -> t
 
 
 class Timeline:
-    """Times the engine loop's calls into its engine (wrapped on the instance, bench only)."""
+    """Times the async engine's calls into its engine client (wrapped on the instance, bench only)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, client: EngineClient) -> None:
         self.started = 0.0
-        self.flushes: list[tuple[float, int]] = []  # (time, adds in the message)
-        self.steps: list[tuple[float, int]] = []  # (time a step call returned, deltas with tokens)
-        # the engine loop's steps: step() in a loop thread; an engine process driven by the event
-        # loop returns its steps from read_outputs()
-        name = "read_outputs" if hasattr(engine, "read_outputs") else "step"
-        step = getattr(engine, name)
+        self.flushes: list[tuple[float, int]] = []  # (time, adds in the command)
+        self.steps: list[tuple[float, int]] = []  # (time a read of outputs returned, deltas with tokens)
+        read_outputs, flush_commands = client.read_outputs, client.flush_commands
 
-        def timed_step():
-            deltas = step()
+        def timed_read():
+            deltas = read_outputs()
             if deltas or self.steps or self.flushes:
                 self.steps.append((time.perf_counter(), sum(1 for d in deltas if d.new_token_ids)))
             return deltas
 
-        setattr(engine, name, timed_step)
-        flush = getattr(engine, "_flush_adds", None)
-        if flush is not None:  # EngineProcessClient: the adds of a loop iteration go as one message
-            def timed_flush():
-                self.flushes.append((time.perf_counter(), len(engine._adds)))
-                flush()
+        def timed_flush():
+            num_adds = flush_commands()
+            if num_adds:
+                self.flushes.append((time.perf_counter(), num_adds))
+            return num_adds
 
-            engine._flush_adds = timed_flush
+        client.read_outputs, client.flush_commands = timed_read, timed_flush
 
     def report(self, first_tokens: list[float]) -> dict:
         ms = lambda t: round((t - self.started) * 1e3, 3)  # noqa: E731
@@ -81,7 +79,7 @@ class Timeline:
 
 
 async def _start(engine: AsyncLLMEngine) -> None:
-    engine.start()  # on the running loop: an engine process is driven by it
+    engine.start()  # on the running loop, which drives it
 
 
 async def _run(engine: AsyncLLMEngine, prompts, params, timeline: Timeline | None = None, tag: str = "seed") -> dict:
@@ -108,8 +106,8 @@ async def _run(engine: AsyncLLMEngine, prompts, params, timeline: Timeline | Non
     extra = {"timeline": timeline.report([r[1][0][0] for r in results])} if timeline is not None else {}
     ms = lambda xs: {k: v * 1e3 for k, v in percentiles(xs).items()}  # noqa: E731
     return {"completion_tokens": total_tokens, "wall_s": wall, "throughput_tok_s": total_tokens / wall,
-            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl), "chunks_with_several_tokens": multi_token_chunks,
-            **extra}
+            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl),
+            "chunks_with_several_tokens": multi_token_chunks, **extra}
 
 
 def median_pass(passes: list[dict]) -> dict:
@@ -131,11 +129,10 @@ class SeedEngine:
         self.config = EngineConfig(model=model, max_num_seqs=num_requests, enable_prefix_caching=False,
                                    **engine_args)
         self.engine = AsyncLLMEngine.from_engine_config(self.config)
-        self._message_delays = [0.0, 0]  # an engine process's step messages: seconds read late, count
-        if hasattr(self.engine.engine, "on_message_delay"):
-            self.engine.engine.on_message_delay = self._on_message_delay
-        # one event loop for every burst: the engine is started on it (an engine process is then
-        # driven by that loop, as in a server) and stays bound to it
+        self._message_delays = [0.0, 0]  # the engine's step outputs: seconds read late, count
+        self.engine.client.on_message_delay = self._on_message_delay
+        # one event loop for every burst: the engine is started on it (and driven by that loop,
+        # as in a server) and stays bound to it
         self._runner = new_runner(loop)
         try:
             self._runner.run(_start(self.engine))
@@ -144,7 +141,8 @@ class SeedEngine:
             self.close()
             raise
         # the engine process, if any: its CPU use is recorded per burst
-        self.engine_pid = getattr(getattr(self.engine.engine, "_process", None), "pid", None)
+        client = self.engine.client
+        self.engine_pid = client.pid if isinstance(client, EngineProcessClient) else None
         self.bursts = 0
 
     def burst(self, timeline: bool = False) -> dict:
@@ -152,7 +150,7 @@ class SeedEngine:
         started = time.time()
         with engine_cpu_use(self.engine_pid) as cpu:
             run = self._runner.run(_run(self.engine, self.prompts, self.params,
-                                        Timeline(self.engine.engine) if timeline else None, tag=f"seed{self.bursts}"))
+                                        Timeline(self.engine.client) if timeline else None, tag=f"seed{self.bursts}"))
         self.bursts += 1
         seconds, count = (now - then for now, then in zip(self._message_delays, delays_before))
         if count:  # as the server's engine_message_delay_seconds, for the same engine without HTTP
@@ -165,8 +163,8 @@ class SeedEngine:
         self._message_delays[1] += 1
 
     def _engine_time(self) -> tuple[float, float, float]:
-        s = self.engine.engine.get_stats()
-        return s.engine_steps_total, s.step_seconds_total, s.output_seconds_total
+        s = self.engine.client.get_stats()
+        return s.engine_steps_total, s.engine_step_seconds_total, s.engine_output_seconds_total
 
     def describe(self) -> dict:
         return {"workload": "W-seed", "model": self.model, "num_requests": self.num_requests,
@@ -175,8 +173,7 @@ class SeedEngine:
 
     def close(self) -> None:
         self.engine.stop()
-        if self.engine._thread is not None:
-            self.engine._thread.join(10.0)
+        self.engine.wait_stopped(10.0)
         self._runner.close()
 
     def __enter__(self) -> SeedEngine:

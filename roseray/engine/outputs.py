@@ -33,6 +33,11 @@ class RequestDelta:
     num_output_tokens: int
     request: Request | RequestSummary = field(repr=False)
 
+    @classmethod
+    def refused(cls, request_id: str, num_prompt_tokens: int, arrival_time: float) -> RequestDelta:
+        """The one delta of a request the engine could not take: finished with reason "error"."""
+        return cls(request_id, [], "", True, "error", None, num_prompt_tokens, 0, RequestSummary(arrival_time))
+
 
 @dataclass
 class CompletionOutput:

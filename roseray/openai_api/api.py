@@ -108,9 +108,8 @@ class OpenAIServer:
         self.log_requests = log_requests
         self.log_prompts = log_prompts  # off by default: prompts are user data
         self.metrics = ServerMetrics(model_name, lambda: engine.stats, share=metrics_share)
-        client = getattr(engine, "engine", None)
-        if hasattr(client, "on_message_delay"):  # an engine process's client (not an in-process engine or a stub)
-            client.on_message_delay = self.metrics.message_delay.observe
+        if isinstance(engine, AsyncLLMEngine):  # not a stand-in of a test
+            engine.client.on_message_delay = self.metrics.message_delay.observe
         # request ids: a random prefix of this process and a counter (a getrandom call per id,
         # as uuid4 or secrets make, was ~3% of admitting a request in a py-spy profile)
         self._id_prefix, self._id_numbers = secrets.token_hex(8), itertools.count()

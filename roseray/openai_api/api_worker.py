@@ -2,7 +2,7 @@
 
 It serves the same app as `roseray serve` (create_app on a DrainingServer) over a
 listening socket the supervisor bound, with an AsyncLLMEngine over an
-EngineProcessClient that speaks over this process's pipe pair to the one shared engine
+engine client that speaks over this process's pipe pair to the one shared engine
 child. Its settings (engine config, API key, ...) come as JSON through a pipe, which keeps
 the key out of the command line. SIGTERM/SIGINT drain its requests as in `roseray
 serve`; if the supervisor dies (the lifeline pipe ends), it stops the same way.
@@ -22,7 +22,7 @@ from roseray.config import EngineConfig
 from roseray.openai_api.metrics_share import MetricsShare
 from roseray.openai_api.standalone import build_server
 from roseray.runtime.async_engine import AsyncLLMEngine
-from roseray.runtime.engine_process import IDLE_STATS_INTERVAL_S, EngineProcessClient
+from roseray.runtime.engine_loop import IDLE_STATS_INTERVAL_S
 
 
 def read_all(fd: int) -> bytes:
@@ -48,9 +48,9 @@ def connect_async_engine(config: EngineConfig, commands_fd: int, outputs_fd: int
     Every client checks the engine-wide queue (in the engine's stats) against the whole limit,
     and an idle loop wakes as often as the engine sends an idle client its stats (a scrape
     then sees them)."""
-    client = EngineProcessClient.connect(config, commands_fd, outputs_fd)  # waits until the model is loaded
-    return AsyncLLMEngine(client, max_waiting_requests=config.max_waiting_requests, max_running=config.max_num_seqs,
-                          heartbeat_s=IDLE_STATS_INTERVAL_S, **kwargs)
+    # waits until the model is loaded
+    return AsyncLLMEngine.from_engine_config(config, pipe_fds=(commands_fd, outputs_fd),
+                                             heartbeat_s=IDLE_STATS_INTERVAL_S, **kwargs)
 
 
 def worker_parser(description: str) -> argparse.ArgumentParser:

@@ -66,7 +66,7 @@ def build_server(engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port: int =
     `replica_name`, `request_guard`, `wrap_app`, `on_started`: an API process of a Ray Serve
     engine replica (serve/replica_api_worker.py): its name, its ticket check, the probes Serve
     answers, and how it tells the replica that it serves."""
-    llm = engine.engine
+    llm = engine.client
     app = create_app(engine, llm.tokenizer, model_name=served_model_name or llm.model_name,
                      max_model_len=llm.max_model_len,
                      replica_name=replica_name or f"standalone@{socket.gethostname()}:{port}{replica_suffix}",

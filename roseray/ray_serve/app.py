@@ -78,7 +78,7 @@ class EngineDeployment:
         else:
             self.engine = AsyncLLMEngine.from_engine_config(config, stuck_after_s=stuck_after_s)
         self.engine.start()
-        llm = self.engine.engine
+        llm = self.engine.client
         self._app_kwargs = dict(model_name=served_model_name or llm.model_name, max_model_len=llm.max_model_len,
                                 replica_name=self.replica_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
                                 log_requests=log_requests, max_logprobs=llm.config.max_logprobs,
@@ -88,7 +88,7 @@ class EngineDeployment:
             self.api_processes.start()  # once Serve's server listens, after this constructor
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = create_app(self.engine, self.engine.engine.tokenizer, request_guard=self._check_ticket,
+        app = create_app(self.engine, self.engine.client.tokenizer, request_guard=self._check_ticket,
                          **self._app_kwargs)
         if self.api_processes is not None:
             app.router.lifespan_context = self.api_processes.around_lifespan(app.router.lifespan_context)

@@ -17,7 +17,7 @@ One replica with api_processes=N:
 
     replica actor: the app (index 0: Serve's fallback proxy path, and every connection
       |            until the API processes serve), record_routing_stats, check_health
-      |- engine child (engine_process.py serve_clients: one pipe pair per API process, and the actor's)
+      |- engine child (engine_loop.py serve_clients: one pipe pair per API process, and the actor's)
       |- API processes 1..N: the same app and ticket check; /-/healthz as Serve answers it
 
 Request metrics are shared (metrics_share.py): /metrics from any process counts them all.
