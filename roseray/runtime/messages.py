@@ -32,7 +32,8 @@ from roseray.engine.outputs import EngineStats, RequestDelta
 from roseray.sampling_params import SamplingParams
 
 _encode_json = json.JSONEncoder(separators=(",", ":")).encode
-_SAMPLING_DEFAULTS = tuple((f.name, f.default) for f in dataclasses.fields(SamplingParams))
+# the defaults as a SamplingParams holds them (normalised: stop=None becomes [])
+_SAMPLING_DEFAULTS = tuple((f.name, getattr(SamplingParams(), f.name)) for f in dataclasses.fields(SamplingParams))
 
 
 def _dumps(message: list) -> bytes:

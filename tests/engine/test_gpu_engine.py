@@ -13,6 +13,7 @@ import transformers
 from roseray import LLM, SamplingParams
 from roseray.config import EngineConfig
 from roseray.runtime.async_engine import AsyncLLMEngine
+from roseray.runtime.process_client import EngineProcessClient
 from tests.models.hf_models import make_tiny_model
 
 pytestmark = [pytest.mark.gpu,
@@ -102,7 +103,7 @@ def test_engine_process_on_cuda_equals_offline(model_path):
         engine = AsyncLLMEngine.from_engine_config(EngineConfig(
             model=str(model_path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
             max_num_batched_tokens=128))
-        assert engine.engine.pid  # an EngineProcessClient: the default on CUDA
+        assert isinstance(engine.client, EngineProcessClient)  # the default on CUDA
         engine.start()
 
         async def one(i, prompt):

@@ -250,7 +250,7 @@ class ModelFault:
 def test_a_failing_model_forward_ends_its_requests_with_errors_then_recovers(caplog):
     config = EngineConfig(model=MODEL, num_kv_blocks=64, max_model_len=256, max_num_seqs=8)
     with serving(config, step_delay_s=0.005) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as client:
-        fault = ModelFault(s.engine.engine)
+        fault = ModelFault(s.engine.client.engine)
         body = {"prompt": "doomed", "max_tokens": 200, "ignore_eos": True}
 
         async def in_flight():
@@ -298,7 +298,7 @@ def test_a_failing_model_forward_ends_its_requests_with_errors_then_recovers(cap
 def test_an_engine_step_that_raises_outside_the_model_fails_everything_clearly():
     config = EngineConfig(model=MODEL, num_kv_blocks=64, max_model_len=256, max_num_seqs=8)
     with serving(config, step_delay_s=0.005) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as client:
-        llm, broken = s.engine.engine, threading.Event()
+        llm, broken = s.engine.client.engine, threading.Event()
         real_schedule = llm.scheduler.schedule
 
         def schedule():
@@ -331,7 +331,7 @@ class DrainingServing:
     def __init__(self, drain_timeout_s: float, step_delay_s: float) -> None:
         self.engine = AsyncLLMEngine.from_engine_config(
             EngineConfig(model=MODEL, num_kv_blocks=64, max_model_len=512, max_num_seqs=8), heartbeat_s=0.2)
-        llm = self.engine.engine
+        llm = self.engine.client.engine  # the LLMEngine on its thread
         real_step = llm.step
 
         def slow_step():

@@ -51,7 +51,7 @@ class Target:
         self.engine = AsyncLLMEngine.from_engine_config(
             EngineConfig(model=MODEL, num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                          max_waiting_requests=64), heartbeat_s=0.2)
-        llm = self.engine.engine
+        llm = self.engine.client
         self.app = create_app(self.engine, llm.tokenizer, model_name=MODEL, max_model_len=llm.max_model_len,
                               max_logprobs=llm.config.max_logprobs, drain_timeout_s=1.0)
         self.requests = collections.Counter()

@@ -220,7 +220,8 @@ def traffic_with_the_secret(url: str, engine) -> None:
         assert client.post("/v1/completions", json={**text, "stop": [""]}).status_code == 400
         with client.stream("POST", "/v1/completions", json={**text, "max_tokens": 100, "stream": True}) as r:
             next(r.iter_lines())
-        model, real_forward = engine.engine.runner.model, engine.engine.runner.model.forward
+        model = engine.client.engine.runner.model  # the LLMEngine on its thread
+        real_forward = model.forward
         model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
         try:
             assert client.post("/v1/completions", json=text).status_code == 500

@@ -26,15 +26,15 @@ def serving(config: EngineConfig, step_delay_s: float = 0.0, **app_kwargs):
     """Serve the app on a free loopback port. `step_delay_s` slows every engine step, so
     that long requests are still running when a test acts on them."""
     engine = AsyncLLMEngine.from_engine_config(config, heartbeat_s=0.2)
-    llm = engine.engine
-    if step_delay_s:
-        real_step = llm.step
+    llm = engine.client
+    if step_delay_s:  # the LLMEngine on its thread (an InProcessEngineClient)
+        real_step = llm.engine.step
 
         def slow_step():
             time.sleep(step_delay_s)
             return real_step()
 
-        llm.step = slow_step
+        llm.engine.step = slow_step
     app = create_app(engine, llm.tokenizer, model_name=MODEL, max_model_len=llm.max_model_len, replica_name=REPLICA,
                      drain_timeout_s=1.0, **app_kwargs)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
