@@ -89,14 +89,12 @@ class AsyncLLMEngine:
         self._state = LoopState.NEW
         self._stop = False
         self._streams: dict[str, RequestStream] = {}
-        self._num_unacked = 0  # adds not yet covered by the stats of a hand-off
-        self._queue_stats = AsyncEngineStats()  # stats as of the last hand-off
+        self._num_added = 0  # adds the client took (held or sent)
         self.stats = AsyncEngineStats(last_heartbeat=time.monotonic())
         self.dead_error: BaseException | None = None
         self._flush_scheduled = False  # a _flush_commands call is on its way
         self._tick: asyncio.TimerHandle | None = None
         self._num_steps = 0  # engine steps read
-        self._flushed = [0, 0]  # adds sent since the last read of step outputs, and before it
         self._closer: threading.Thread | None = None  # closes the client once the engine stops
 
     @classmethod
@@ -210,9 +208,10 @@ class AsyncLLMEngine:
         loop = self._bind_here()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # the adds not yet in the stats fill the free running slots first, then the queue
-        running_room = max(0, self.max_running - self._queue_stats.num_running)
-        num_waiting = max(0, self._queue_stats.num_waiting + self._num_unacked - running_room)
+        # the adds the stats do not show yet fill the free running slots first, then the queue
+        stats = self.stats
+        running_room = max(0, self.max_running - stats.num_running)
+        num_waiting = max(0, stats.num_waiting + self._num_added - self.client.num_adds_applied - running_room)
         if num_waiting >= self.max_waiting_requests:
             raise QueueFullError(num_waiting, self.max_waiting_requests, self.retry_after_s)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -225,7 +224,7 @@ class AsyncLLMEngine:
             raise EngineRequestError(f"the engine could not take this request ({type(error).__name__})") from None
         stream = RequestStream(request_id, self._abort, loop)
         self._streams[request_id] = stream
-        self._num_unacked += 1
+        self._num_added += 1
         if self._engine_stepping():
             self._flush_commands()  # its next step takes it (see the module docstring)
         elif not self._flush_scheduled:
@@ -239,14 +238,15 @@ class AsyncLLMEngine:
 
     def _engine_stepping(self) -> bool:
         """Whether the engine has requests, as far as this side knows: its last stats say so,
-        or adds went since the step outputs before the last read."""
+        or it has not taken every add sent yet."""
         stats = self.stats
-        return bool(stats.num_running or stats.num_waiting or self._flushed[0] or self._flushed[1])
+        client = self.client
+        return bool(stats.num_running or stats.num_waiting or client.num_adds_sent > client.num_adds_applied)
 
     def _flush_commands(self) -> None:
         self._flush_scheduled = False
         if not self._stop:
-            self._flushed[0] += self._engine_call(self.client.flush_commands) or 0
+            self._engine_call(self.client.flush_commands)
 
     def _engine_call(self, fn, *args):
         """fn(*args) on the client; an engine that is gone ends the loop (and returns None)."""
@@ -282,22 +282,16 @@ class AsyncLLMEngine:
         deltas = self._engine_call(client.read_outputs)
         if deltas is None:
             return
-        num_acked = 0
-        if client.num_steps_read != read_before:
-            self._num_steps += client.num_steps_read - read_before
-            # the adds sent before the previous read are in these steps' stats
-            num_acked, self._flushed = self._flushed[1], [0, self._flushed[0]]
+        self._num_steps += client.num_steps_read - read_before
         self._count_failed_step(deltas)
         self.stats = stats = self._snapshot()
         if stats.num_preemptions_total != self._preemptions_logged:
             self._log_preemptions(stats)
-        if deltas or num_acked:
-            self._hand_off(deltas, stats, num_acked)
+        if deltas:
+            self._hand_off(deltas)
 
-    def _hand_off(self, deltas: list[RequestDelta], stats: AsyncEngineStats, num_acked: int) -> None:
+    def _hand_off(self, deltas: list[RequestDelta]) -> None:
         """Push every delta to its stream, then flush the streams that asked for it once."""
-        self._num_unacked -= num_acked
-        self._queue_stats = stats
         streams, flushes = self._streams, []
         for delta in deltas:
             stream = streams.get(delta.request_id)

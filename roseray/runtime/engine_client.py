@@ -49,6 +49,8 @@ class EngineClient(abc.ABC):
         self.last_error = None
         self.on_message_delay = None
         self.num_steps_read = 0  # engine steps whose outputs read_outputs() has returned
+        self.num_adds_sent = 0  # adds sent to the engine (flush_commands, or before an abort or a check)
+        self.num_adds_applied = 0  # of those, the ones the engine had taken as of get_stats()
 
     def prepare(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[int]:
         """The prompt's token ids, checked against the engine's limits (ValueError if it can never run)."""

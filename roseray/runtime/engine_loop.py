@@ -51,13 +51,14 @@ class ClientPipes:
     knows as prefix + handle."""
 
     def __init__(self, index: int, commands: Connection, outputs: Connection, prefix: str,
-                 owners: dict[str, ClientPipes]) -> None:
+                 owners: dict[str, ClientPipes], adds_applied: list[int]) -> None:
         self.index = index
         self.commands, self.outputs = commands, outputs
         self.commands_fd, self._outputs_fd = commands.fileno(), outputs.fileno()
         self.prefix = prefix
         self.requests: set[str] = set()  # its requests' ids in the engine
         self.owners = owners  # engine request id -> its client, shared by all clients
+        self.adds_applied = adds_applied  # every client's count of adds taken, by index, shared
         self.last_sent = float("-inf")
         # is a command there? (one poll object kept: Connection.poll builds a selector per call)
         self._commands_ready = select.poll()
@@ -101,7 +102,8 @@ class ClientPipes:
 def client_pipes(pipes: list[tuple[Connection, Connection]]) -> list[ClientPipes]:
     """One ClientPipes per (command, output) pipe pair; the prefix is "" with one client."""
     owners: dict[str, ClientPipes] = {}
-    return [ClientPipes(index, commands, outputs, f"{index}." if len(pipes) > 1 else "", owners)
+    adds_applied = [0] * len(pipes)
+    return [ClientPipes(index, commands, outputs, f"{index}." if len(pipes) > 1 else "", owners, adds_applied)
             for index, (commands, outputs) in enumerate(pipes)]
 
 
@@ -120,8 +122,9 @@ def apply_command(engine: LLMEngine, data: bytes, client: ClientPipes) -> bool:
                     failed.append(RequestDelta.refused(request_id, len(token_ids), arrival))
                     continue
                 client.added(request_id)
+            client.adds_applied[client.index] += len(adds.handles)
             if failed:
-                client.send(StepOutputs.from_deltas(failed, engine.get_stats()).encode())
+                client.send(StepOutputs.from_deltas(failed, engine.get_stats(), client.adds_applied).encode())
         case AbortRequest(handle):
             engine.abort_request(client.engine_id(handle))
         case CheckIntegrity(call_id):
@@ -130,7 +133,8 @@ def apply_command(engine: LLMEngine, data: bytes, client: ClientPipes) -> bool:
                 failure = None
             except AssertionError as error:
                 failure = str(error) or "integrity check failed"
-            client.send(IntegrityReply(call_id, failure, engine.get_stats()).encode())
+            client.send(IntegrityReply(call_id, failure, engine.get_stats(),
+                                       client.adds_applied[client.index]).encode())
         case Stop():
             return True
         case other:
@@ -152,7 +156,7 @@ def serve_clients(engine: LLMEngine, clients: list[ClientPipes]) -> None:
     each step's message to every client with a request in it. Returns when every client has
     stopped or gone away."""
     live = {client.commands_fd: client for client in clients}
-    owners = clients[0].owners
+    owners, adds_applied = clients[0].owners, clients[0].adds_applied
     last_error = None
     commands = select.poll()  # one poll object for the command pipes, kept across steps
     for fd in live:
@@ -183,7 +187,7 @@ def serve_clients(engine: LLMEngine, clients: list[ClientPipes]) -> None:
         deltas = engine.step()
         stepped = time.perf_counter()
         error_text, last_error = new_error(engine, last_error)
-        step = StepOutputs.from_deltas(deltas, engine.get_stats(), error_text)
+        step = StepOutputs.from_deltas(deltas, engine.get_stats(), adds_applied, error_text)
         for finished in step.finished:  # no pass over every delta
             request_id = deltas[finished[0]].request_id
             client = owners.pop(request_id, None)
@@ -197,7 +201,7 @@ def serve_clients(engine: LLMEngine, clients: list[ClientPipes]) -> None:
                 data = framed
             elif everyone or now - client.last_sent >= IDLE_STATS_INTERVAL_S:
                 if stats_only is None:
-                    stats_only = frame(StepOutputs.from_deltas([], step.stats, error_text).encode())
+                    stats_only = frame(StepOutputs.from_deltas([], step.stats, adds_applied, error_text).encode())
                 data = stats_only
             else:
                 continue

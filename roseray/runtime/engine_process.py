@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     freeze_startup_objects()
     clients = client_pipes(pipes)
     for client in clients:
-        _send_quietly(client.outputs, Ready(engine.model_name, engine.limits, os.getpid(), client.prefix).encode())
+        ready = Ready(engine.model_name, engine.limits, os.getpid(), client.index, client.prefix)
+        _send_quietly(client.outputs, ready.encode())
     try:
         serve_clients(engine, clients)
     except (EOFError, BrokenPipeError, ConnectionResetError):

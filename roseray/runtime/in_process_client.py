@@ -30,6 +30,7 @@ class _Step:
 
     deltas: list[RequestDelta]
     stats: EngineStats
+    adds_applied: int
     error: BaseException | None  # the engine's latest failed step's error, if this step added one
     sent_at: float
 
@@ -39,6 +40,7 @@ class _Reply:
     call_id: int
     failure: str | None
     stats: EngineStats
+    adds_applied: int
 
 
 @dataclass(slots=True)
@@ -64,6 +66,7 @@ class InProcessEngineClient(EngineClient):
         self._stats = engine.get_stats()
         self._replies: dict[int, str | None] = {}
         self._next_call = 0
+        self._applied = 0  # adds the engine thread has taken
         self._busy = False  # the engine has requests: the heartbeat is the thread's last iteration
         self._beat = time.monotonic()
         self._stop = False
@@ -85,11 +88,10 @@ class InProcessEngineClient(EngineClient):
         self._requests.add(request_id)
 
     def flush_commands(self) -> int:
-        if not self._adds:
-            return 0
-        adds, self._adds = self._adds, []
-        self._command(("add", adds))
-        return len(adds)
+        num_adds = len(self._adds)
+        if num_adds:
+            self._command(None)
+        return num_adds
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self._requests:
@@ -108,7 +110,7 @@ class InProcessEngineClient(EngineClient):
             item = outbox.popleft()
             if type(item) is _Step:
                 self.num_steps_read += 1
-                self._stats = item.stats
+                self._stats, self.num_adds_applied = item.stats, item.adds_applied
                 if item.error is not None:
                     self.last_error = item.error
                 if self.on_message_delay is not None:
@@ -116,7 +118,7 @@ class InProcessEngineClient(EngineClient):
                 deltas += item.deltas
             elif type(item) is _Reply:
                 self._replies[item.call_id] = item.failure
-                self._stats = item.stats
+                self._stats, self.num_adds_applied = item.stats, item.adds_applied
             else:
                 raise EngineError(f"the engine thread died: {item.error!r}") from item.error
         requests = self._requests
@@ -162,11 +164,14 @@ class InProcessEngineClient(EngineClient):
             except OSError:
                 pass
 
-    def _command(self, command: tuple) -> None:
-        if self._adds:  # an abort or a check must not overtake an add
+    def _command(self, command: tuple | None) -> None:
+        """Send the held adds, then `command` (an abort or a check must not overtake an add)."""
+        if self._adds:
             adds, self._adds = self._adds, []
             self._commands.append(("add", adds))
-        self._commands.append(command)
+            self.num_adds_sent += len(adds)
+        if command is not None:
+            self._commands.append(command)
         self._wake.set()
 
     # ---- the engine thread ---------------------------------------------------------------------
@@ -187,7 +192,7 @@ class InProcessEngineClient(EngineClient):
                 error = engine.last_error
                 new_error = error if error is not None and error is not reported else None
                 reported = error
-                self._post(_Step(deltas, engine.get_stats(), new_error, time.monotonic()))
+                self._post(_Step(deltas, engine.get_stats(), self._applied, new_error, time.monotonic()))
         except BaseException as error:  # noqa: BLE001 - the event loop must learn of any failure
             logger.exception("the engine thread died")
             self._post(_Died(error))
@@ -204,6 +209,7 @@ class InProcessEngineClient(EngineClient):
                         logger.exception("add_request failed")
                         engine.abort_request(request_id)  # in case it got in before failing
                         refused.append(RequestDelta.refused(request_id, len(token_ids), arrival))
+                self._applied += len(argument)
             elif kind == "abort":
                 engine.abort_request(argument)
             else:
@@ -212,9 +218,9 @@ class InProcessEngineClient(EngineClient):
                     failure = None
                 except AssertionError as error:
                     failure = str(error) or "integrity check failed"
-                self._post(_Reply(argument, failure, engine.get_stats()))
+                self._post(_Reply(argument, failure, engine.get_stats(), self._applied))
         if refused:
-            self._post(_Step(refused, engine.get_stats(), None, time.monotonic()))
+            self._post(_Step(refused, engine.get_stats(), self._applied, None, time.monotonic()))
 
     def _post(self, item: _Step | _Reply | _Died) -> None:
         self._outbox.append(item)

@@ -10,6 +10,9 @@ then the bytes); no pickle. The first message on the first client's command pipe
                        StepOutputs                               (after every step with requests)
                        IntegrityReply                            (to the client that asked)
 
+Each client's count of adds the engine has taken travels with the stats, so that a client
+knows which of its adds the stats already show (the queue limit counts the others).
+
 `StepOutputs` is the hot one: one per engine step, encoded once and sent to every client
 that had a request in it. It is columnar (one list per field: request ids, token ids,
 texts, output counts) so that a step of many deltas costs a few list builds and one
@@ -119,20 +122,23 @@ class Stop:
 # ---- engine -> client ------------------------------------------------------------------------
 @dataclass(slots=True)
 class Ready:
-    """The engine is loaded. `client_prefix`: what the engine puts before this client's
-    handles to name its requests (in StepOutputs too); "" when it has one client."""
+    """The engine is loaded. `client_index`: this client's place in StepOutputs.adds_applied;
+    `client_prefix`: what the engine puts before this client's handles to name its requests
+    (in StepOutputs too); "" when it has one client."""
 
     model_name: str
     limits: RequestLimits
     pid: int
+    client_index: int
     client_prefix: str
 
     def encode(self) -> bytes:
-        return _dumps(["ready", self.model_name, dataclasses.asdict(self.limits), self.pid, self.client_prefix])
+        return _dumps(["ready", self.model_name, dataclasses.asdict(self.limits), self.pid, self.client_index,
+                       self.client_prefix])
 
     @classmethod
-    def from_fields(cls, model_name, limits, pid, client_prefix) -> Ready:
-        return cls(model_name, RequestLimits(**limits), pid, client_prefix)
+    def from_fields(cls, model_name, limits, pid, client_index, client_prefix) -> Ready:
+        return cls(model_name, RequestLimits(**limits), pid, client_index, client_prefix)
 
 
 @dataclass(slots=True)
@@ -156,9 +162,10 @@ class StepOutputs:
 
     `finished`: [index, finish_reason, first_scheduled_time, num_cached_tokens, stop_reason]
     for each delta that finished; `logprobs`: [index, [[token_id, logprob], ...] per new
-    token] for each delta that carries them. `error`: the repr of the engine's error when
-    this step failed (once per error). `sent_at`: the engine's time.monotonic() when it was
-    encoded (one clock for every process of a host)."""
+    token] for each delta that carries them. `adds_applied`: each client's count of adds the
+    engine has taken so far (by client index), as of `stats`. `error`: the repr of the
+    engine's error when this step failed (once per error). `sent_at`: the engine's
+    time.monotonic() when it was encoded (one clock for every process of a host)."""
 
     request_ids: list[str]
     token_ids: list[int | list[int]]  # a bare int: the delta's one token
@@ -167,11 +174,13 @@ class StepOutputs:
     finished: list[list]
     logprobs: list[list]
     stats: EngineStats
+    adds_applied: list[int]
     error: str | None
     sent_at: float
 
     @classmethod
-    def from_deltas(cls, deltas: list[RequestDelta], stats: EngineStats, error: str | None = None) -> StepOutputs:
+    def from_deltas(cls, deltas: list[RequestDelta], stats: EngineStats, adds_applied: list[int],
+                    error: str | None = None) -> StepOutputs:
         finished, logprobs = [], []
         for index, delta in enumerate(deltas):
             if delta.finished:
@@ -183,33 +192,35 @@ class StepOutputs:
         return cls([d.request_id for d in deltas],
                    [d.new_token_ids[0] if len(d.new_token_ids) == 1 else d.new_token_ids for d in deltas],
                    [d.new_text for d in deltas], [d.num_output_tokens for d in deltas], finished, logprobs,
-                   stats, error, time.monotonic())
+                   stats, adds_applied, error, time.monotonic())
 
     def encode(self) -> bytes:
         return _dumps(["step", self.request_ids, self.token_ids, self.texts, self.num_output_tokens, self.finished,
-                       self.logprobs, self.stats.values(), self.error, self.sent_at])
+                       self.logprobs, self.stats.values(), self.adds_applied, self.error, self.sent_at])
 
     @classmethod
-    def from_fields(cls, request_ids, token_ids, texts, num_output_tokens, finished, logprobs, stats, error,
-                    sent_at) -> StepOutputs:
-        return cls(request_ids, token_ids, texts, num_output_tokens, finished, logprobs, EngineStats(*stats), error,
-                   sent_at)
+    def from_fields(cls, request_ids, token_ids, texts, num_output_tokens, finished, logprobs, stats, adds_applied,
+                    error, sent_at) -> StepOutputs:
+        return cls(request_ids, token_ids, texts, num_output_tokens, finished, logprobs, EngineStats(*stats),
+                   adds_applied, error, sent_at)
 
 
 @dataclass(slots=True)
 class IntegrityReply:
-    """The answer to CheckIntegrity: None, or what the check found wrong."""
+    """The answer to CheckIntegrity: None, or what the check found wrong; with the stats and
+    the asking client's count of adds the engine has taken."""
 
     call_id: int
     failure: str | None
     stats: EngineStats
+    adds_applied: int
 
     def encode(self) -> bytes:
-        return _dumps(["reply", self.call_id, self.failure, self.stats.values()])
+        return _dumps(["reply", self.call_id, self.failure, self.stats.values(), self.adds_applied])
 
     @classmethod
-    def from_fields(cls, call_id, failure, stats) -> IntegrityReply:
-        return cls(call_id, failure, EngineStats(*stats))
+    def from_fields(cls, call_id, failure, stats, adds_applied) -> IntegrityReply:
+        return cls(call_id, failure, EngineStats(*stats), adds_applied)
 
 
 Message = (Start | AddRequests | AbortRequest | CheckIntegrity | Stop | Ready | StartFailed | StepOutputs

@@ -59,6 +59,7 @@ class EngineProcessClient(EngineClient):
         ready = self._wait_ready(start_timeout_s)
         super().__init__(config, tokenizer, ready.model_name, ready.limits)
         self._prefix = ready.client_prefix  # of this client's requests' names in step messages
+        self._index = ready.client_index  # of this client's count in StepOutputs.adds_applied
         self.pid = ready.pid
         self._handles: dict[str, str] = {}  # request id -> its handle
         # name in step messages (prefix + handle) -> (request id, prompt length, arrival)
@@ -180,6 +181,7 @@ class EngineProcessClient(EngineClient):
     def _flush_adds(self) -> None:
         adds, self._adds = self._adds, AddRequests([], [], [], [])
         self._write(adds.encode())
+        self.num_adds_sent += len(adds.handles)
 
     def _send(self, data: bytes) -> None:
         if self._adds.handles:  # an abort or a check must not overtake an add
@@ -201,11 +203,11 @@ class EngineProcessClient(EngineClient):
         self._last_message = read_at = time.monotonic()
         if type(message) is IntegrityReply:
             self._replies[message.call_id] = message.failure
-            self._stats = message.stats
+            self._stats, self.num_adds_applied = message.stats, message.adds_applied
             return
         step: StepOutputs = message
         self.num_steps_read += 1
-        self._stats = step.stats
+        self._stats, self.num_adds_applied = step.stats, step.adds_applied[self._index]
         if self.on_message_delay is not None:
             self.on_message_delay(read_at - step.sent_at)
         if step.error is not None:

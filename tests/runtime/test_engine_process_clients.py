@@ -220,8 +220,8 @@ def test_a_message_framed_once_reads_back_through_the_clients_connection():
     larger-than-the-pipe messages included."""
     out_r, out_w = os.pipe()
     reader = Connection(out_r, writable=False)
-    client = ClientPipes(0, Connection(os.pipe()[0], writable=False), Connection(out_w, readable=False), "", {})
-    step = StepOutputs(["0.1"], [7], ["a"], [1], [], [], EngineStats(), None, time.monotonic())
+    client = ClientPipes(0, Connection(os.pipe()[0], writable=False), Connection(out_w, readable=False), "", {}, [0])
+    step = StepOutputs(["0.1"], [7], ["a"], [1], [], [], EngineStats(), [0], None, time.monotonic())
     messages = [b"", b"x", step.encode(), os.urandom(200_000)]
     writer = threading.Thread(target=lambda: [client.send_framed(frame(m), 0.0) for m in messages])
     writer.start()

@@ -41,11 +41,11 @@ ROUND_TRIPS = [
     CheckIntegrity(3),
     Stop(),
     Ready("m", RequestLimits(vocab_size=10, max_model_len=64, max_logprobs=5, num_blocks=4, block_size=16), 123,
-          "1."),
+          1, "1."),
     StartFailed("ValueError", "bad model"),
     StepOutputs(["0.1", "1.4"], [5, [6, 7]], ["a", "bc"], [1, 2], [[1, "stop", 2.0, 16, "x"]],
-                [[0, [[[5, -0.5], [9, -1.25]]]]], STATS, "RuntimeError('x')", 12.5),
-    IntegrityReply(3, None, STATS),
+                [[0, [[[5, -0.5], [9, -1.25]]]]], STATS, [4, 2], "RuntimeError('x')", 12.5),
+    IntegrityReply(3, None, STATS, 6),
 ]
 
 
@@ -58,14 +58,14 @@ def test_a_step_message_is_columnar_and_sends_a_single_token_bare():
     deltas = [RequestDelta("1", [5], "a", False, None, [{5: -0.5, 9: -1.25}], 1, 1, None),
               RequestDelta("2", [], "", True, "abort", None, 1, 0, RequestSummary(0.0, 1.0, 16, None)),
               RequestDelta("3", [6, 7], "bc", False, None, None, 1, 2, None)]
-    step = StepOutputs.from_deltas(deltas, STATS, None)
+    step = StepOutputs.from_deltas(deltas, STATS, [3])
     assert step.token_ids == [5, [], [6, 7]]
     assert step.finished == [[1, "abort", 1.0, 16, None]] and step.logprobs == [[0, [[(5, -0.5), (9, -1.25)]]]]
     assert 0 <= time.monotonic() - step.sent_at < 5
     back = decode(step.encode())
     assert (back.request_ids, back.token_ids, back.texts, back.num_output_tokens) == (
         ["1", "2", "3"], [5, [], [6, 7]], ["a", "", "bc"], [1, 0, 2])
-    assert back.stats == STATS and back.logprobs == [[0, [[[5, -0.5], [9, -1.25]]]]]
+    assert back.stats == STATS and back.logprobs == [[0, [[[5, -0.5], [9, -1.25]]]]] and back.adds_applied == [3]
 
 
 def test_sampling_params_travel_as_their_non_default_fields():
@@ -107,6 +107,7 @@ def test_a_request_the_engine_cannot_take_finishes_with_an_error():
     assert (step.request_ids, step.token_ids, step.texts, step.num_output_tokens, step.error) == (
         ["7"], [[]], [""], [0], None)  # one client: the engine names the request by its handle alone
     assert step.finished == [[0, "error", None, 0, None]] and step.stats.num_free_blocks == 8
+    assert step.adds_applied == [1]  # taken, if only to be refused: the stats show it (not as waiting)
     assert apply_command(RefusingEngine(), Stop().encode(), pipes.engine_side)
 
 
@@ -124,10 +125,10 @@ def test_one_client_is_served_by_the_same_loop_and_ends_it_with_stop():
         assert set(step.request_ids) <= {"0"}
         tokens += [t for ids in step.token_ids for t in (ids if isinstance(ids, list) else [ids])]
         finished = step.finished[0] if step.finished else None
-    assert len(tokens) == 5 and finished[1] == "length" and step.stats.num_running == 0
+    assert len(tokens) == 5 and finished[1] == "length" and step.stats.num_running == 0 and step.adds_applied == [1]
     pipes.commands.send_bytes(CheckIntegrity(1).encode())
     reply = decode(pipes.outputs.recv_bytes())
-    assert reply == IntegrityReply(1, None, reply.stats) and reply.stats.num_free_blocks == 32
+    assert reply == IntegrityReply(1, None, reply.stats, 1) and reply.stats.num_free_blocks == 32
     pipes.commands.send_bytes(Stop().encode())
     thread.join(10)
     assert not thread.is_alive()  # the loop ends with its last client
