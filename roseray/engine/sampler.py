@@ -135,7 +135,7 @@ class Sampler:
     def warm_up(self, logits: torch.Tensor) -> None:
         """Compile the fused sampling kernels for every variant that batches of up to
         `logits.shape[0]` rows of logits like these (dtype, row stride) launch: Triton compiles at
-        the first launch, which on a fresh machine cost the first W-nano run ~0.7 s."""
+        the first launch, which would otherwise stall the first steps that sample this way."""
         if not (logits.is_cuda and fused.HAVE_TRITON and self.fused is not False and logits.stride(1) == 1):
             return
         seed = torch.zeros(1, dtype=torch.int64, device=logits.device)

@@ -183,12 +183,13 @@ class StepOutputs:
                     error: str | None = None) -> StepOutputs:
         finished, logprobs = [], []
         for index, delta in enumerate(deltas):
-            if delta.finished:
-                req = delta.request
-                finished.append([index, delta.finish_reason, req.first_scheduled_time, req.num_cached_tokens,
-                                 req.stop_reason])
-            if delta.new_logprobs is not None:
-                logprobs.append([index, [list(entry.items()) for entry in delta.new_logprobs]])
+            if delta.finished or delta.new_logprobs is not None:  # the rare parts: one test for the common delta
+                if delta.finished:
+                    req = delta.request
+                    finished.append([index, delta.finish_reason, req.first_scheduled_time, req.num_cached_tokens,
+                                     req.stop_reason])
+                if delta.new_logprobs is not None:
+                    logprobs.append([index, [list(entry.items()) for entry in delta.new_logprobs]])
         return cls([d.request_id for d in deltas],
                    [d.new_token_ids[0] if len(d.new_token_ids) == 1 else d.new_token_ids for d in deltas],
                    [d.new_text for d in deltas], [d.num_output_tokens for d in deltas], finished, logprobs,
