@@ -146,7 +146,8 @@ def test_rotary_qk_in_place_matches_reference(qk_norm, dtype):
 def test_rotary_at_position_zero_is_the_identity():
     q, k = randn(2, 4, 16), randn(2, 2, 16, seed=1)
     q0, k0 = q.clone(), k.clone()
-    rotary_qk_(q, k, torch.zeros(2, dtype=torch.int64, device=DEVICE), RotaryEmbedding(16, 8, 1e4).cos_sin_cache.to(DEVICE))
+    cos_sin = RotaryEmbedding(16, 8, 1e4).cos_sin_cache.to(DEVICE)
+    rotary_qk_(q, k, torch.zeros(2, dtype=torch.int64, device=DEVICE), cos_sin)
     torch.testing.assert_close(q, q0, atol=0, rtol=0)
     torch.testing.assert_close(k, k0, atol=0, rtol=0)
 

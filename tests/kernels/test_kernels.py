@@ -168,7 +168,8 @@ def test_kv_append_matches_reference_exactly(slot_dtype, dtype):
 def test_kv_append_ignores_slots_past_num_tokens_and_baseline_agrees():
     """slot_mapping may be a longer preallocated buffer; only key.shape[0] entries count."""
     step = Step([(3, 5), (17, 1)], num_kv_heads=2, group=1, head_dim=64, dtype=torch.float32, pad_tokens=2)
-    long_slots = torch.cat([step.slot_mapping, torch.zeros(5, dtype=torch.int64, device=DEVICE)])  # slot 0 would clobber
+    # slot 0 would clobber
+    long_slots = torch.cat([step.slot_mapping, torch.zeros(5, dtype=torch.int64, device=DEVICE)])
     k_ref, v_ref = step.k_cache.clone(), step.v_cache.clone()
     kv_append_reference(step.key, step.value, k_ref, v_ref, step.slot_mapping)
     k_base, v_base = step.k_cache.clone(), step.v_cache.clone()
