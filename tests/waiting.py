@@ -4,8 +4,9 @@ slow (the sleep is longer than needed) or flaky (it is not, on a loaded machine)
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -27,12 +28,15 @@ def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: floa
         time.sleep(interval)
 
 
-async def async_wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.01,
+async def async_wait_until(predicate: Callable[[], T | Awaitable[T]], timeout: float = 10.0, interval: float = 0.01,
                            message: str = "") -> T:
-    """`wait_until` for a coroutine: yields to the event loop between the calls."""
+    """`wait_until` in a coroutine: yields to the event loop between the calls; `predicate`
+    may be a coroutine function."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if time.monotonic() > deadline:
