@@ -23,7 +23,6 @@ from roseray_kernels.activation import silu_and_mul, silu_and_mul_reference
 from roseray_kernels.fused_norm import layernorm, layernorm_reference, rmsnorm, rmsnorm_reference
 from roseray_kernels.rotary import rotary_qk_, rotary_qk_reference
 from roseray_kernels.sampling import gumbel_max_sample, split_columns
-from tests.models.hf_models import make_tiny_model
 from tests.models.test_models import _metadata
 
 ON_CUDA = torch.cuda.is_available()
@@ -239,8 +238,8 @@ def test_llama_lm_head_shares_padded_storage_with_tied_embeddings(tie):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
-def test_model_logits_on_the_triton_path_equal_the_torch_path(kind, tmp_path):
-    path = make_tiny_model(kind, tmp_path)
+def test_model_logits_on_the_triton_path_equal_the_torch_path(kind, tiny_checkpoint):
+    path = tiny_checkpoint(kind)
     config = load_model_config(str(path))
     model = load_model(config, str(path), DEVICE, torch.float32)
     prompt = torch.randint(1, config.vocab_size, (9,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
