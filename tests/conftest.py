@@ -229,6 +229,18 @@ class RayServeCluster:
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that use the shared Ray cluster run last (each whole, in their order): the cluster
+    then starts right before them and stops after them, instead of idling beside the rest of the suite
+    (its processes take CPU even when idle, from the tests and from the other Ray clusters' starts)."""
+    ray_modules = {getattr(item, "module", None) for item in items
+                   if "ray_serve_cluster" in getattr(item, "fixturenames", ())}
+    ray_modules.discard(None)
+    if ray_modules:
+        items[:] = ([item for item in items if getattr(item, "module", None) not in ray_modules]
+                    + [item for item in items if getattr(item, "module", None) in ray_modules])
+
+
 @pytest.fixture(scope="session")
 def ray_serve_cluster():
     """A local Ray cluster in HAProxy mode running serve_config.yaml's app (two CPU engine
