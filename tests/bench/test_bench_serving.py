@@ -10,6 +10,7 @@ import time
 import pytest
 from aiohttp import web
 
+from roseray import cli
 from roseray.bench import serving, stream
 from roseray.bench.serving_client import http_bursts, one_stream, seed_request
 from roseray.bench.stream_connection import StreamConnection
@@ -142,6 +143,11 @@ def test_engine_flags_give_the_server_the_in_process_engines_config():
                                                      "--num-kv-blocks", "64"]
     with pytest.raises(ValueError, match="not_a_field"):
         serving.engine_flags({"not_a_field": 1})
+    # as `roseray serve` reads them
+    fields = {"max_num_seqs": 4, "enable_prefix_caching": False, "num_kv_blocks": 64, "device": "cpu",
+              "enforce_eager": True, "gpu_memory_utilization": 0.5}
+    parsed = vars(cli.build_parser().parse_args(["serve", "--model", "m", *serving.engine_flags(fields)]))
+    assert {name: parsed[name] for name in fields} == fields
 
 
 def test_pairs_alternate_which_side_goes_first_and_leave_the_first_pair_out(monkeypatch, capsys):
