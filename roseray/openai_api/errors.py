@@ -120,14 +120,20 @@ def _refusal(errors: list[dict]) -> tuple[str, str, str] | None:
         if path is None:
             continue
         if error.get("type") == "extra_forbidden":
-            name = path.rsplit(".", 1)[-1]
-            close = difflib.get_close_matches(name, KNOWN_FIELDS, n=1, cutoff=0.75) if "." not in path else []
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = ""
+            if path in KNOWN_FIELDS:
+                hint = "it is a field of the other generation route; "
+            elif "." not in path:
+                close = difflib.get_close_matches(path, KNOWN_FIELDS, n=1, cutoff=0.75)
+                hint = f"did you mean {close[0]!r}? " if close else ""
             return (f"unknown field {path!r} ({hint}fields roseray does not know are refused, not ignored; "
                     f"see docs/request-fields.md)", path, "unknown_field")
-        top = path.split(".", 1)[0]
-        if top in REFUSED_FIELDS:
-            return f"{top} is not supported ({REFUSED_FIELDS[top]})", top, "unsupported_field"
+        parts = path.split(".")
+        # a refused field of the body, or of one of its messages ("messages.0.tool_calls")
+        depth = 3 if parts[0] == "messages" and len(parts) > 2 else 1
+        name = parts[depth - 1]
+        if name in REFUSED_FIELDS:
+            return f"{name} is not supported ({REFUSED_FIELDS[name]})", ".".join(parts[:depth]), "unsupported_field"
     return None
 
 

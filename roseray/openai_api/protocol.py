@@ -28,7 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from roseray.sampling_params import MAX_LOGPROBS, MAX_PENALTY, MAX_STOP_STRINGS, SamplingParams
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
-REFUSED_KEY = "x-roseray-refused"  # a refused field's schema: why it is refused
+REFUSED_KEY = "x-roseray-refused"  # in a refused field's schema: why it is refused
+IGNORED_KEY = "x-roseray-ignored"  # in an ignored field's schema: true
 
 
 def _finite(default=None, **bounds):
@@ -38,7 +39,8 @@ def _finite(default=None, **bounds):
 
 def _ignored(default=None):
     """A field that cannot change the output: accepted (with its OpenAI or vLLM type) and dropped."""
-    return Field(default, description="Accepted and ignored: it cannot change the output.")
+    return Field(default, description="Accepted and ignored: it cannot change the output.",
+                 json_schema_extra={IGNORED_KEY: True})
 
 
 def _refused(reason: str, default=None):
@@ -197,10 +199,14 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message. Its other OpenAI fields (tool_call_id, refusal, ...) are accepted and not
+    passed to the chat template; an assistant message's tool calls are refused."""
+
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # passed to the chat template (most templates leave it out)
+    tool_calls: EmptyList | None = _refused(f"{_TOOLS}; an empty list is accepted")
 
     def text(self) -> str:
         if self.content is None:
@@ -245,8 +251,9 @@ class ChatCompletionRequest(_SamplingFields):
     mm_processor_kwargs: None = _refused("only text input")
 
     def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template takes them: role and plain-text content."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """Messages as the chat template takes them: role, plain-text content and name."""
+        return [{"role": m.role, "content": m.text()} if m.name is None
+                else {"role": m.role, "content": m.text(), "name": m.name} for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -256,13 +263,15 @@ class ChatCompletionRequest(_SamplingFields):
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._common_params())
 
 
-def _refused_fields(*models: type[BaseModel]) -> dict[str, str]:
-    return {name: field.json_schema_extra[REFUSED_KEY] for model in models
-            for name, field in model.model_fields.items()
-            if isinstance(field.json_schema_extra, dict) and REFUSED_KEY in field.json_schema_extra}
+def _marked(key: str, *models: type[BaseModel]) -> dict[str, Any]:
+    """The fields of `models` whose schema holds `key`, with its value."""
+    return {name: field.json_schema_extra[key] for model in models for name, field in model.model_fields.items()
+            if isinstance(field.json_schema_extra, dict) and key in field.json_schema_extra}
 
 
 # field name -> why roseray refuses it (errors.py words a refused field's 400 with it)
-REFUSED_FIELDS: dict[str, str] = _refused_fields(CompletionRequest, ChatCompletionRequest)
+REFUSED_FIELDS: dict[str, str] = _marked(REFUSED_KEY, CompletionRequest, ChatCompletionRequest, ChatMessage)
+IGNORED_FIELDS: frozenset[str] = frozenset(_marked(IGNORED_KEY, CompletionRequest, ChatCompletionRequest,
+                                                   StreamOptions))
 # every field a generation request may name, on either route (for "did you mean" hints)
 KNOWN_FIELDS: frozenset[str] = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
