@@ -114,11 +114,20 @@ def _validation_message(exc: RequestValidationError,
 
 
 def _refusal(errors: list[dict]) -> tuple[str, str, str] | None:
-    """(message, param, code) when a field is unknown or one roseray refuses (protocol.py)."""
-    for error in errors:
-        path = _field_path(error)
-        if path is None:
+    """(message, param, code) when a field is one roseray refuses (protocol.py), or unknown.
+    A refused field is named first: {"response_format": {"type": "json_schema", "json_schema":
+    ...}} is a refused response_format, not an unknown field inside it."""
+    paths = [(error, path) for error in errors if (path := _field_path(error)) is not None]
+    for error, path in paths:
+        if error.get("type") == "extra_forbidden":  # a field of the other route
             continue
+        parts = path.split(".")
+        # a refused field of the body, or of one of its messages ("messages.0.tool_calls")
+        depth = 3 if parts[0] == "messages" and len(parts) > 2 else 1
+        name = parts[depth - 1]
+        if name in REFUSED_FIELDS:
+            return f"{name} is not supported ({REFUSED_FIELDS[name]})", ".".join(parts[:depth]), "unsupported_field"
+    for error, path in paths:
         if error.get("type") == "extra_forbidden":
             hint = ""
             if path in KNOWN_FIELDS:
@@ -128,12 +137,6 @@ def _refusal(errors: list[dict]) -> tuple[str, str, str] | None:
                 hint = f"did you mean {close[0]!r}? " if close else ""
             return (f"unknown field {path!r} ({hint}fields roseray does not know are refused, not ignored; "
                     f"see docs/request-fields.md)", path, "unknown_field")
-        parts = path.split(".")
-        # a refused field of the body, or of one of its messages ("messages.0.tool_calls")
-        depth = 3 if parts[0] == "messages" and len(parts) > 2 else 1
-        name = parts[depth - 1]
-        if name in REFUSED_FIELDS:
-            return f"{name} is not supported ({REFUSED_FIELDS[name]})", ".".join(parts[:depth]), "unsupported_field"
     return None
 
 

@@ -240,10 +240,15 @@ def test_an_unknown_field_is_400_naming_it(client, route, extra, param, hint, wa
     assert "\n" not in error["message"]
 
 
-def test_a_refused_field_next_to_an_invalid_one_is_named_first(client):
-    body = {**BASE[COMPLETIONS], "max_tokens": "many", "guided_json": {"type": "object"}}
-    error = assert_openai_error(post(client, COMPLETIONS, body, "fast path"), 400, "guided_json")
-    assert "(and 1 more invalid field(s))" in error["message"], error
+@pytest.mark.parametrize("extra,param,more", [
+    ({"max_tokens": "many", "guided_json": {"type": "object"}}, "guided_json", 1),  # refused before invalid
+    ({"temprature": 1.0, "guided_json": {"type": "object"}}, "guided_json", 1),  # refused before unknown
+    ({"max_tokens": "many", "temprature": 1.0}, "temprature", 1),  # unknown before invalid
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format", 0),
+])
+def test_a_refused_field_is_named_first_then_an_unknown_one(client, extra, param, more):
+    error = assert_openai_error(post(client, CHAT, {**BASE[CHAT], **extra}, "fast path"), 400, param)
+    assert (f"(and {more} more invalid field(s))" in error["message"]) == bool(more), error
 
 
 # ---- the list in docs/request-fields.md ------------------------------------------------------------------
