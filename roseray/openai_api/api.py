@@ -1,9 +1,10 @@
 """The OpenAI HTTP API of one engine replica (FastAPI), the same app in Ray and standalone.
 
 POST /v1/completions, /v1/chat/completions (SSE streaming or whole), GET /v1/models,
-/health (liveness), /ready, /metrics. Each streamed request costs one SSE write per
-engine step. A client that goes away closes its RequestStream, which aborts the request
-in the engine. Prompt text is never logged unless `log_prompts` is set.
+/health (liveness), /ready, /metrics, and (unless turned off) /openapi.json and /docs.
+Each streamed request costs one SSE write per engine step. A client that goes away closes
+its RequestStream, which aborts the request in the engine (counted as "abort"). Prompt
+text is never logged unless `log_prompts` is set.
 
 Around the routes, outermost first: the replica header on every response; CORS (only
 when origins are configured: a browser on another origin gets nothing otherwise); the
@@ -158,10 +159,11 @@ class OpenAIServer:
             if isinstance(body, ChatCompletionRequest):
                 text = self.tokenizer.apply_chat_template(body.template_messages(),
                                                           add_generation_prompt=body.add_generation_prompt)
-                # the template already holds any BOS the model wants
-                return self.tokenizer.encode(text, add_special_tokens=False), params
+                return self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens), params
             prompt = body.single_prompt()
-            return (self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)), params
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens), params
+            return list(prompt), params
         except UnsupportedFieldError as error:
             raise APIError(400, str(error), param=error.param) from None
         except UnicodeError:  # a lone surrogate ("\ud800") parses as JSON but is no text
@@ -228,7 +230,7 @@ class OpenAIServer:
         try:
             if body.stream:
                 render, render_error = self._sse_renderers(builder, timer)
-                return EngineSSEResponse(stream, render, render_error,
+                return EngineSSEResponse(stream, render, render_error, on_end=timer.on_response_end,
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return await self._whole(http_request, stream, builder, timer)
         except BaseException:
@@ -249,6 +251,7 @@ class OpenAIServer:
             return builder.stream_chunks((delta,)) + builder.stream_end(delta)
 
         def render_error(error: BaseException) -> bytes:
+            timer.count("error")
             if isinstance(error, EngineUnavailableError):
                 return sse_event(error_body(503, str(error), code="unavailable")) + SSE_DONE
             logger.error("stream failed", exc_info=error)
@@ -276,6 +279,7 @@ class OpenAIServer:
         finally:
             watcher.cancel()
         if last is None or not last.finished:  # the client went away; nobody reads this
+            timer.count("abort")
             return Response(status_code=499)
         self._finished(timer, last)
         if last.finish_reason == "error":
@@ -305,11 +309,13 @@ def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_
                request_guard: RequestGuard | None = None, drain_timeout_s: float = 30.0,
                log_requests: bool = False, log_prompts: bool = False, max_logprobs: int | None = None,
                cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               metrics_share: MetricsShare | None = None) -> FastAPI:
+               metrics_share: MetricsShare | None = None, enable_docs: bool = True) -> FastAPI:
     """The OpenAI app over `engine`. Its lifespan starts the engine loop and, on shutdown,
     drains it (running requests get `drain_timeout_s` to finish). `cors_origins`: the
     browser origins allowed to call the API (none by default; "*" for any).
-    `metrics_share`: this is one of several API processes of one engine (metrics_share.py)."""
+    `metrics_share`: this is one of several API processes of one engine (metrics_share.py).
+    `enable_docs`: serve the OpenAPI schema at /openapi.json and Swagger UI at /docs (behind
+    the API key when one is set, as every route but the probes)."""
     server = OpenAIServer(engine, tokenizer, model_name=model_name, max_model_len=max_model_len,
                           request_guard=request_guard, log_requests=log_requests, log_prompts=log_prompts,
                           max_logprobs=max_logprobs, metrics_share=metrics_share)
@@ -326,8 +332,8 @@ def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_
             publisher.cancel()  # publishes once more on the way out
             await asyncio.gather(publisher, return_exceptions=True)
 
-    app = FastAPI(title="roseray", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  **NO_FASTAPI_TELEMETRY)
+    app = FastAPI(title="roseray", lifespan=lifespan, docs_url="/docs" if enable_docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if enable_docs else None, **NO_FASTAPI_TELEMETRY)
     app.state.server = server
     install_error_handlers(app)
     install_openapi(app)

@@ -14,7 +14,6 @@ from roseray import LLM, SamplingParams
 from roseray.config import EngineConfig
 from roseray.runtime.async_engine import AsyncLLMEngine
 from roseray.runtime.process_client import EngineProcessClient
-from tests.models.hf_models import make_tiny_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -28,8 +27,8 @@ def batch(n=24, seed=0):
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2"])
-def model_path(request, tmp_path_factory):
-    return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+def model_path(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
 
 
 def test_triton_and_cuda_graphs_match_hf_fp32(model_path):

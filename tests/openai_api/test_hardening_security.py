@@ -88,8 +88,12 @@ def test_the_key_is_compared_in_constant_time(keyed_server, monkeypatch):
     assert len(calls) == 4
     expected = hashlib.sha256(f"bearer {KEY}".encode()).digest()
     assert all(len(a) == len(b) == 32 and b == expected for a, b in calls)
-    source = inspect.getsource(auth.ApiKeyMiddleware)
-    assert "compare_digest" in source and " == self._expected" not in source
+    # and compare_digest's answer is the decision: no other comparison lets a request in or keeps it out
+    with httpx.Client(base_url=keyed_server.url, timeout=30) as client:
+        monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: False)
+        assert client.get("/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 401
+        monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: True)
+        assert client.get("/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 200
 
 
 def test_roseray_api_key_from_the_environment(monkeypatch):
@@ -122,15 +126,26 @@ def test_everything_binds_loopback_by_default():
     assert config["http_options"]["host"] == "127.0.0.1"
 
 
-def test_serve_config_keeps_rays_dashboard_on_localhost():
+def test_serve_config_keeps_rays_dashboard_on_localhost(monkeypatch):
     """serve_config.yaml cannot set the dashboard's address: `serve run` starts Ray with
     ray.init's default, which is loopback, and the config must not open anything wider."""
     import ray
+    from click.testing import CliRunner
     from ray.serve import scripts
 
     assert inspect.signature(ray.init).parameters["dashboard_host"].default == "127.0.0.1"
-    run_source = inspect.getsource(scripts.run.callback)  # `serve run` (a click command)
-    assert "ray.init(" in run_source and "dashboard_host" not in run_source
+    # `serve run serve_config.yaml` up to its ray.init call: it passes no dashboard address
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(scripts.ray, "init", init)
+    monkeypatch.setattr(scripts.ray, "is_initialized", lambda: False)
+    result = CliRunner().invoke(scripts.cli, ["run", str(REPO / "serve_config.yaml")])
+    assert isinstance(result.exception, RuntimeError) and str(result.exception) == "stop here", result.output
+    assert len(calls) == 1 and "dashboard_host" not in calls[0] and "include_dashboard" not in calls[0]
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
 
     def values(node):
