@@ -343,3 +343,4 @@ class LLMEngine:
         params = [r.sampling_params for r in self.requests.values()]
         assert self._num_penalty_requests == sum(p.needs_penalties for p in params), "penalty count drifted"
         assert self._num_not_plain_greedy == sum(not p.is_plain_greedy for p in params), "sampling count drifted"
+        assert self.sampler.seeded_request_ids() <= set(self.requests), "a finished request's generator is kept"

@@ -256,6 +256,10 @@ class Sampler:
         """The request is finished: forget its generator (its id may come again)."""
         self._request_generators.pop(request.request_id, None)
 
+    def seeded_request_ids(self) -> set[str]:
+        """The requests whose generators are kept (for the engine's integrity check)."""
+        return set(self._request_generators)
+
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
         if generator is None:

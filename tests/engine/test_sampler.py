@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roseray.engine.request import Request
 from roseray.engine.logits_processors import apply_penalties
+from roseray.engine.request import Request
 from roseray.engine.sampler import Sampler
 from roseray.layers import fused
 from roseray.sampling_params import SamplingParams
@@ -247,6 +247,18 @@ def test_unseeded_sampler_seed_makes_runs_repeatable(fused):
     first = Sampler(seed=9, fused=fused)(logits, requests).token_ids
     assert first == Sampler(seed=9, fused=fused)(logits, requests).token_ids
     assert first != Sampler(seed=10, fused=fused)(logits, requests).token_ids
+
+
+def test_a_seeded_request_keeps_its_generator_until_released():
+    """The sampler keeps a seeded request's generator by request id: its draws go on from
+    step to step, and once the request is released the same id starts afresh."""
+    logits = random_logits(1, 50, seed=7)
+    sampler, params = Sampler(seed=0), SamplingParams(temperature=5.0, seed=11)
+    first = [sampler(logits, [make_request(params, rid="s")]).token_ids[0] for _ in range(20)]
+    assert len(set(first)) > 1  # one generator drawn on: different tokens step after step
+    sampler.release(make_request(params, rid="s"))
+    again = [sampler(logits, [make_request(params, rid="s")]).token_ids[0] for _ in range(20)]
+    assert again == first
 
 
 # --- the fused Gumbel-max path (Triton; interpreted on CPU) -----------------------------------
