@@ -151,8 +151,14 @@ class AsyncLLMEngine:
     async def check_integrity(self, timeout_s: float = 30.0) -> dict[str, int]:
         """Assert the engine's KV accounting (free + used = total, ref counts equal the block
         tables, no orphan rows or requests) between two of its steps; returns the block counts."""
-        if self._stop:
-            raise EngineUnavailableError(f"the engine is not running ({self._state.value})")
+        if self._stop:  # closed: an engine that outlives its client (on a thread of this process) still answers
+            await asyncio.to_thread(self.wait_stopped)
+            return self._check_closed_engine()
+        loop = self._loop
+        if loop is not None and loop.is_running() and loop is not asyncio.get_running_loop():
+            # called from another thread's loop (a test, a tool): ask on the loop that reads the engine
+            asked = asyncio.run_coroutine_threadsafe(self.check_integrity(timeout_s), loop)
+            return await asyncio.wrap_future(asked)
         self._bind_here()
         client = self.client
         call_id = self._engine_call(client.send_integrity_check)
@@ -162,7 +168,23 @@ class AsyncLLMEngine:
                 raise EngineUnavailableError(f"the engine did not answer within {timeout_s:.0f} s")
             await asyncio.sleep(INTEGRITY_POLL_S)
         client.take_integrity_reply(call_id)
-        s = client.get_stats()
+        return self._block_counts()
+
+    def _check_closed_engine(self) -> dict[str, int]:
+        client = self.client
+        try:
+            call_id = client.send_integrity_check()
+            client.read_outputs()
+            replied = client.integrity_replied(call_id)
+        except Exception as error:  # noqa: BLE001 - EngineError: the engine went with its client
+            raise EngineUnavailableError(f"the engine is not running ({self._state.value})") from error
+        if not replied:
+            raise EngineUnavailableError(f"the engine is not running ({self._state.value})")
+        client.take_integrity_reply(call_id)
+        return self._block_counts()
+
+    def _block_counts(self) -> dict[str, int]:
+        s = self.client.get_stats()
         return {"num_free_blocks": s.num_free_blocks, "num_total_blocks": s.num_total_blocks,
                 "num_running": s.num_running, "num_waiting": s.num_waiting}
 

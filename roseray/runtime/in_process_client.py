@@ -70,6 +70,7 @@ class InProcessEngineClient(EngineClient):
         self._busy = False  # the engine has requests: the heartbeat is the thread's last iteration
         self._beat = time.monotonic()
         self._stop = False
+        self._closed = False  # the thread has ended and the pipe is closed: the caller may touch the engine
         self._thread = threading.Thread(target=self._run, name="roseray-engine", daemon=True)
         self._thread.start()
 
@@ -98,11 +99,12 @@ class InProcessEngineClient(EngineClient):
             self._command(("abort", request_id))
 
     def read_outputs(self) -> list[RequestDelta]:
-        try:  # the bytes first, then the flag: whatever is posted after this read is told again
-            while os.read(self._ready_r, 4096):
+        if not self._closed:
+            try:  # the bytes first, then the flag: whatever is posted after this read is told again
+                while os.read(self._ready_r, 4096):
+                    pass
+            except BlockingIOError:
                 pass
-        except BlockingIOError:
-            pass
         self._told = False
         deltas: list[RequestDelta] = []
         outbox, now = self._outbox, time.monotonic()
@@ -137,6 +139,8 @@ class InProcessEngineClient(EngineClient):
         call_id = self._next_call
         self._next_call += 1
         self._command(("check_integrity", call_id))
+        if self._closed:  # the thread has ended: the check runs here, its reply waits in the outbox
+            self._apply_commands()
         return call_id
 
     def integrity_replied(self, call_id: int) -> bool:
@@ -158,11 +162,11 @@ class InProcessEngineClient(EngineClient):
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.0f s", timeout_s)
             return
+        if self._closed:
+            return
+        self._closed = True
         for fd in (self._ready_r, self._ready_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            os.close(fd)
 
     def _command(self, command: tuple | None) -> None:
         """Send the held adds, then `command` (an abort or a check must not overtake an add)."""
@@ -193,6 +197,11 @@ class InProcessEngineClient(EngineClient):
                 new_error = error if error is not None and error is not reported else None
                 reported = error
                 self._post(_Step(deltas, engine.get_stats(), self._applied, new_error, time.monotonic()))
+            # stopped: what was asked before is done, then every request is aborted (as an engine
+            # process does for a client that stops), which frees their blocks
+            self._apply_commands()
+            for request_id in list(engine.requests):
+                engine.abort_request(request_id)
         except BaseException as error:  # noqa: BLE001 - the event loop must learn of any failure
             logger.exception("the engine thread died")
             self._post(_Died(error))
@@ -224,7 +233,7 @@ class InProcessEngineClient(EngineClient):
 
     def _post(self, item: _Step | _Reply | _Died) -> None:
         self._outbox.append(item)
-        if not self._told:
+        if not self._told and not self._closed:
             self._told = True
             try:
                 os.write(self._ready_w, b"\0")

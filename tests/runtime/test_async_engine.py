@@ -246,3 +246,18 @@ def test_check_health_fails_after_consecutive_failed_model_steps(llm, monkeypatc
         engine.check_health()
 
     run(llm, body, max_failed_steps=3)
+
+
+def test_after_shutdown_the_engine_on_its_thread_is_left_consistent_and_still_checkable(llm):
+    """Stopping aborts what is left (its blocks are freed); the engine outlives its thread, so
+    the integrity check still runs, on the caller's thread."""
+    async def body(engine):
+        stream = await engine.add_request("cut", [1, 2, 3], params(300))
+        await stream.__anext__()
+        await engine.shutdown()
+        with pytest.raises(EngineUnavailableError, match="shutting down"):
+            await collect(stream)
+        return await engine.check_integrity()
+
+    counts = run(llm, body)
+    assert counts["num_free_blocks"] == counts["num_total_blocks"] and counts["num_running"] == 0
