@@ -96,6 +96,7 @@ class AsyncLLMEngine:
         self._tick: asyncio.TimerHandle | None = None
         self._num_steps = 0  # engine steps read
         self._closer: threading.Thread | None = None  # closes the client once the engine stops
+        self._client_closed = threading.Event()
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, pipe_fds: tuple[int, int] | None = None,
@@ -212,10 +213,9 @@ class AsyncLLMEngine:
         self._call_on_loop(self._stop_on_loop)
 
     def wait_stopped(self, timeout_s: float = 10.0) -> None:
-        """Wait up to `timeout_s` for the engine to be closed after stop() or its death."""
-        closer = self._closer
-        if closer is not None:
-            closer.join(timeout_s)
+        """Wait up to `timeout_s` for the engine to be closed after stop() or its death (from any thread)."""
+        if self._stop:
+            self._client_closed.wait(timeout_s)
 
     # ---- requests ------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
@@ -403,6 +403,8 @@ class AsyncLLMEngine:
             self.client.close()
         except Exception:  # noqa: BLE001 - the engine is ending anyway
             logger.exception("closing the engine failed")
+        finally:
+            self._client_closed.set()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
