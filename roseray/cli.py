@@ -4,8 +4,8 @@ Errors are one line on stderr: exit 2 for a usage error (a flag the subcommand d
 know, a value its parser or EngineConfig/ServerConfig refuses; printed under the
 subcommand's usage), exit 1 for a failure while running (a model that cannot be loaded, a
 sampling parameter the engine refuses, `--device cuda` without CUDA). `--debug` (or
-ROSERAY_DEBUG=1) shows the traceback instead. Ctrl-C ends quietly: `serve` drains and exits
-0, anything else exits 130.
+ROSERAY_DEBUG=1) shows the traceback instead. Ctrl-C ends quietly with exit 130 (`serve`
+drains first; uvicorn then raises the SIGINT it held back).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default=SERVER_DEFAULTS.host, help="address to bind (loopback by default)")
+    group.add_argument("--host", default=SERVER_DEFAULTS.host, help="address to bind; 127.0.0.1 keeps the server to this machine")
     group.add_argument("--port", type=int, default=SERVER_DEFAULTS.port, help="port to listen on (0: any free port)")
     group.add_argument("--api-key", default=None,
                        help=f"require this bearer key on every route but /health and /ready "
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args, engine_config)
         return _serve(engine_config, server_config)
-    except KeyboardInterrupt:  # Ctrl-C before the server took over the signals, or while generating
+    except KeyboardInterrupt:  # Ctrl-C: while generating, or re-raised by uvicorn once the server drained
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as error:
