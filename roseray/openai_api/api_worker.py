@@ -24,6 +24,8 @@ from roseray.openai_api.standalone import build_server
 from roseray.runtime.async_engine import AsyncLLMEngine
 from roseray.runtime.engine_process import IDLE_STATS_INTERVAL_S, EngineProcessClient
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+
 
 def read_all(fd: int) -> bytes:
     chunks = []
@@ -78,8 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     engine = connect_async_engine(settings.engine, args.commands_fd, args.outputs_fd,
                                   stuck_after_s=settings.server.stuck_after_s)
     sock = socket.socket(fileno=args.socket_fd)
-    build_server(engine, settings.server, replica_suffix=f"/{name}",
-                 metrics_share=MetricsShare(args.metrics_dir, args.index)).run(sockets=[sock])
+    server = build_server(engine, settings.server, replica_suffix=f"/{name}",
+                          metrics_share=MetricsShare(args.metrics_dir, args.index))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # the supervisor forwarded a Ctrl-C: drained; uvicorn raises it once done
+        return EXIT_INTERRUPTED
     return 0
 
 
