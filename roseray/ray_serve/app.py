@@ -211,7 +211,7 @@ class RouterArgs(BaseModel):
 GPU_REPLICA_API_PROCESSES = 4
 
 
-_SERVER = ServerConfig()  # its defaults
+_SERVER = ServerConfig()  # the defaults of AppArgs' server settings
 
 
 class AppArgs(BaseModel):
@@ -228,11 +228,11 @@ class AppArgs(BaseModel):
     # 0.7 ms step), 1 on CPU.
     # More than 1 needs the engine in its own process (engine.engine_process; the default on CUDA).
     api_processes_per_replica: int | Literal["auto"] = "auto"
-    # the engine replicas' ServerConfig fields (roseray.config.ServerConfig says what each does; its
-    # defaults, and its checks when the app is built); host and port are Serve's http_options
+    # The engine replicas' ServerConfig fields, with its defaults and its checks (when these args are
+    # read); roseray.config.ServerConfig says what each does. Host and port are Serve's http_options.
+    # api_key: better ROSERAY_API_KEY in the engine replicas' environment (kept out of this config).
     served_model_name: str | None = _SERVER.served_model_name
-    api_key: str | None = _SERVER.api_key  # or ROSERAY_API_KEY in the engine replicas' environment (kept out of
-                                           # this config)
+    api_key: str | None = _SERVER.api_key
     cors_origins: list[str] = Field(default_factory=list)
     max_body_bytes: int = _SERVER.max_body_bytes
     drain_timeout_s: float = _SERVER.drain_timeout_s
