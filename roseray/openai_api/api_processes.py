@@ -25,13 +25,13 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 from roseray.config import EngineConfig, ServerConfig
+from roseray.openai_api.listen import bind_reuseport_sockets
 from roseray.runtime.engine_process import spawn_engine_process
 
 logger = logging.getLogger(__name__)
@@ -58,34 +58,6 @@ class APIProcessSettings:
         fields = json.loads(data)
         return cls(engine=EngineConfig(**fields.pop("engine")), server=ServerConfig(**fields.pop("server")),
                    **fields)
-
-
-def bind_reuseport_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """`count` sockets bound to host:port in one SO_REUSEPORT group (not listening yet:
-    each API process listens once it is ready). A first bind without SO_REUSEPORT makes
-    sure no other server holds the port: it would otherwise join the group silently."""
-    if not sys.platform.startswith("linux") or not hasattr(socket, "SO_REUSEPORT"):
-        raise RuntimeError("--api-processes > 1 needs Linux (SO_REUSEPORT spreads the connections); "
-                           "use --api-processes 1 here")
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind(address)  # OSError (address in use) if another server listens there
-        address = probe.getsockname()  # with port 0: the port the kernel picked
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind(address)
-    except OSError:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
 
 
 def run_api_processes(engine_config: EngineConfig, config: ServerConfig) -> int:

@@ -10,6 +10,7 @@ A second SIGINT skips the rest of the drain.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from starlette.types import ASGIApp
 
 from roseray.config import EngineConfig, ServerConfig
 from roseray.openai_api.api import RequestGuard, create_app
+from roseray.openai_api.listen import bind_socket
 from roseray.openai_api.metrics_share import MetricsShare
 from roseray.runtime.async_engine import AsyncLLMEngine
 
@@ -77,6 +79,12 @@ def build_server(engine: AsyncLLMEngine, config: ServerConfig, *, replica_name: 
 
 
 def run_standalone(engine_config: EngineConfig, config: ServerConfig) -> None:
-    """Load the model, then serve until SIGINT/SIGTERM, draining on the way out."""
-    engine = AsyncLLMEngine.from_engine_config(engine_config, stuck_after_s=config.stuck_after_s)
-    build_server(engine, config).run()
+    """Bind the port (a taken one fails before the model loads), load the model, then serve
+    until SIGINT/SIGTERM, draining on the way out."""
+    sock = bind_socket(config.host, config.port)
+    try:
+        config = dataclasses.replace(config, port=sock.getsockname()[1])  # port 0: the one the kernel picked
+        engine = AsyncLLMEngine.from_engine_config(engine_config, stuck_after_s=config.stuck_after_s)
+        build_server(engine, config).run(sockets=[sock])
+    finally:
+        sock.close()

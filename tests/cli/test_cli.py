@@ -5,6 +5,7 @@ traceback only with --debug or ROSERAY_DEBUG=1, and Ctrl-C without a traceback o
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -147,6 +148,18 @@ def test_runtime_errors_are_one_line_and_exit_1(argv, message):
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith(f"roseray {argv[0]}: error: ") and message in lines[0] and "--debug" in lines[0]
+
+
+@pytest.mark.parametrize("extra", [[], ["--api-processes", "2"]])
+def test_a_taken_port_is_one_line_naming_it_before_the_model_loads(extra):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        out = roseray("serve", "--port", str(port), "--model", "random:gpt2", *extra)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.splitlines() == [f"roseray serve: error: cannot listen on 127.0.0.1:{port}: another process "
+                                       "listens there (stop it, or pick another --port) (--debug for the traceback)"]
 
 
 def test_debug_flag_or_env_shows_the_traceback():
