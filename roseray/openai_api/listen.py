@@ -1,11 +1,15 @@
 """The listening sockets of `roseray serve`, bound before the model loads: a port that another
-process holds (or that this user may not bind) fails at once, with one line naming it."""
+process holds (or that this user may not bind) fails at once, with one line naming it and,
+where Linux's /proc tells, the process that listens there."""
 
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import sys
+
+LISTEN = "0A"  # a TCP socket's state in /proc/net/tcp: listening
 
 
 class CannotListenError(RuntimeError):
@@ -65,7 +69,50 @@ def _bind(sock: socket.socket, address: tuple, host: str, port: int) -> None:
     try:
         sock.bind(address)
     except OSError as error:
-        why = {errno.EADDRINUSE: "another process listens there (stop it, or pick another --port)",
+        holder = port_holder(port) if error.errno == errno.EADDRINUSE else None
+        who = f"{holder} listens there" if holder else "another process listens there"
+        why = {errno.EADDRINUSE: f"{who} (stop it, or pick another --port)",
                errno.EACCES: "not allowed for this user (ports below 1024 need privileges)",
                errno.EADDRNOTAVAIL: "this machine has no such address"}.get(error.errno, error.strerror)
         raise CannotListenError(f"cannot listen on {host}:{port}: {why}") from error
+
+
+def port_holder(port: int) -> str | None:
+    """"pid N (name)" of a process that listens on TCP `port`, from /proc (Linux; only
+    processes whose descriptors this user may read), or None when it cannot tell."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == LISTEN and int(fields[1].rpartition(":")[2], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for pid in filter(str.isdigit, _listdir("/proc")):
+        for fd in _listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return f"pid {pid} ({_command(pid)})"
+            except OSError:
+                continue
+    return None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _command(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
