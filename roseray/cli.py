@@ -85,7 +85,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default=SERVER_DEFAULTS.host, help="address to bind; 127.0.0.1 keeps the server to this machine")
+    group.add_argument("--host", default=SERVER_DEFAULTS.host,
+                       help="address to bind; 127.0.0.1 keeps the server to this machine")
     group.add_argument("--port", type=int, default=SERVER_DEFAULTS.port, help="port to listen on (0: any free port)")
     group.add_argument("--api-key", default=None,
                        help=f"require this bearer key on every route but /health and /ready "
