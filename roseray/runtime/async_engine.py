@@ -39,13 +39,13 @@ import collections
 import concurrent.futures
 import enum
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from roseray import envs
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
 from roseray.engine.request import RequestDelta
@@ -58,9 +58,6 @@ __all__ = ["AsyncLLMEngine", "AsyncEngineStats", "EngineRequestError", "EngineUn
 
 logger = logging.getLogger(__name__)
 
-# Experiment switch (issue 4's A/B on the GPU host): "iteration" holds every add to the end of
-# its loop iteration, as before the adds of a stepping engine went at once
-ADD_FLUSH_ENV = "ROSERAY_ADD_FLUSH"
 INTEGRITY_POLL_S = 0.002  # how often check_integrity looks for its reply, driven by the event loop
 
 
@@ -154,7 +151,9 @@ class AsyncLLMEngine:
         self._tick: asyncio.TimerHandle | None = None
         self._num_steps = 0  # step messages read (the event loop's num_steps_total)
         self._flushed = [0, 0]  # adds sent since the last read of step messages, and before it
-        self._hold_adds = os.environ.get(ADD_FLUSH_ENV) == "iteration"  # see ADD_FLUSH_ENV
+        # an A/B switch: "iteration" holds every add to the end of its loop iteration, as before the
+        # adds of a stepping engine went at once
+        self._hold_adds = envs.add_flush() == "iteration"
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, **kwargs) -> AsyncLLMEngine:

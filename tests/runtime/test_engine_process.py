@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 
+from roseray import envs
 from roseray.config import EngineConfig
 from roseray.engine.engine import EngineStats
 from roseray.engine.request import RequestDelta, RequestSummary
-from roseray.runtime import async_engine
 from roseray.runtime.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState
 from roseray.runtime.engine_process import EngineProcessClient, EngineProcessError, _apply, _loads, encode_step
 from roseray.sampling_params import SamplingParams
@@ -157,7 +157,8 @@ def test_finished_deltas_carry_the_request_summary(child_engine):
         stream = await child_engine.add_request("summary", [3, 4], SamplingParams(max_tokens=4, ignore_eos=True))
         last = [d async for deltas in stream for d in deltas][-1]
         assert last.finished and isinstance(last.request, RequestSummary)
-        assert last.request.first_scheduled_time is None or last.request.first_scheduled_time >= last.request.arrival_time
+        scheduled, arrival = last.request.first_scheduled_time, last.request.arrival_time
+        assert scheduled is None or scheduled >= arrival
         assert last.num_output_tokens == 4 and last.request.num_cached_tokens == 0
 
     asyncio.run(main())
@@ -198,7 +199,7 @@ def test_a_stalled_engine_process_fails_health_and_recovers_when_it_resumes():
             with pytest.raises(RuntimeError, match="stuck"):
                 engine.check_health()
             os.kill(engine.engine.pid, signal.SIGCONT)
-            async for deltas in stream:  # it finishes once the process runs again
+            async for deltas in stream:  # noqa: B007 - it finishes once the process runs again
                 pass
             assert deltas[-1].finished and deltas[-1].finish_reason == "length"
             engine.check_health()
@@ -298,7 +299,7 @@ def test_while_the_engine_steps_an_add_goes_at_once(monkeypatch, hold):
     one iteration's adds as one message: the test above). ROSERAY_ADD_FLUSH=iteration, the
     experiment switch, holds them as before."""
     if hold:
-        monkeypatch.setenv(async_engine.ADD_FLUSH_ENV, "iteration")
+        monkeypatch.setenv(envs.ADD_FLUSH_ENV, "iteration")
 
     async def main():
         engine = AsyncLLMEngine.from_engine_config(config(engine_process=True), heartbeat_s=0.1)
