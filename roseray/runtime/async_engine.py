@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from roseray import envs
 from roseray.config import EngineConfig
 from roseray.engine.outputs import ENGINE_STATS_FIELDS, EngineStats, RequestDelta
 from roseray.runtime.engine_client import EngineClient
@@ -97,6 +98,9 @@ class AsyncLLMEngine:
         self._num_steps = 0  # engine steps read
         self._closer: threading.Thread | None = None  # closes the client once the engine stops
         self._client_closed = threading.Event()
+        # an A/B switch: "iteration" holds every add to the end of its loop iteration, as before the
+        # adds of a stepping engine went at once
+        self._hold_adds = envs.add_flush() == "iteration"
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, *, pipe_fds: tuple[int, int] | None = None,
@@ -247,7 +251,7 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, self._abort, loop)
         self._streams[request_id] = stream
         self._num_added += 1
-        if self._engine_stepping():
+        if not self._hold_adds and self._engine_stepping():
             self._flush_commands()  # its next step takes it (see the module docstring)
         elif not self._flush_scheduled:
             self._flush_scheduled = True

@@ -13,6 +13,7 @@ server's processes die, the child's next read or write fails and it exits.
 from __future__ import annotations
 
 import argparse
+import atexit
 import fcntl
 import gc
 import logging
@@ -41,9 +42,13 @@ COMMAND_PIPE_BYTES = 512 * 1024
 def freeze_startup_objects() -> None:
     """Move everything alive after start-up (the model, torch, the tokenizer) out of the
     garbage collector's view: a full collection then scans only what steps allocate,
-    instead of pausing a step for milliseconds."""
+    instead of pausing a step for milliseconds. At exit they go back (gc.unfreeze), so that
+    the interpreter's teardown frees them: frozen objects of Triton's nanobind extension would
+    otherwise be reported as "nanobind: leaked ..." lines."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often this runs
+    atexit.register(gc.unfreeze)
 
 
 def widen_pipe(fd: int, size: int) -> int:

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from roseray.config import EngineConfig
+from roseray.config import EngineConfig, ServerConfig
 from roseray.openai_api.standalone import build_server
 from roseray.runtime.async_engine import AsyncLLMEngine
 from tests.openai_api.test_server_api import MODEL, assert_openai_error, serving, wait_until_idle
@@ -342,8 +342,8 @@ class DrainingServing:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
-        self.server = build_server(self.engine, port=self.port, drain_timeout_s=drain_timeout_s,
-                                   log_level="warning")
+        self.server = build_server(self.engine, ServerConfig(port=self.port, drain_timeout_s=drain_timeout_s,
+                                                             log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
 

@@ -16,7 +16,7 @@ import yaml
 
 import roseray
 from roseray import cli
-from roseray.config import EngineConfig
+from roseray.config import EngineConfig, ServerConfig
 from roseray.openai_api import auth
 from roseray.openai_api.api import create_app
 from tests.openai_api.test_server_api import MODEL, REPLICA, assert_openai_error, serving
@@ -46,7 +46,7 @@ def routes_of(app) -> list[tuple[str, str]]:
 # ---- API key -------------------------------------------------------------------------------------------
 def test_api_key_guards_every_route_but_the_probes(keyed_server):
     # `serving` builds its own app; a twin over the same engine lists the same routes
-    routes = routes_of(create_app(keyed_server.engine, keyed_server.tokenizer, model_name=MODEL, api_key=KEY))
+    routes = routes_of(create_app(keyed_server.engine, ServerConfig(api_key=KEY)))
     assert {path for _, path in routes} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics",
                                             "/health", "/ready", f"/v1/models/{MODEL}"}
     body = {"prompt": "x", "max_tokens": 2}
@@ -101,12 +101,12 @@ def test_roseray_api_key_from_the_environment(monkeypatch):
     from roseray.ray_serve.app import resolve_api_key
 
     captured = {}
-    monkeypatch.setattr(standalone, "run_standalone", lambda config, **kwargs: captured.update(kwargs))
+    monkeypatch.setattr(standalone, "run_standalone", lambda engine_config, config: captured.update(config=config))
     monkeypatch.setenv("ROSERAY_API_KEY", "from-env")
     assert cli.main(["serve", "--model", MODEL]) == 0
-    assert captured["api_key"] == "from-env"
+    assert captured["config"].api_key == "from-env"
     assert cli.main(["serve", "--model", MODEL, "--api-key", "from-flag"]) == 0
-    assert captured["api_key"] == "from-flag"
+    assert captured["config"].api_key == "from-flag"
     # the Ray app: the config's key, else the replica's environment
     assert resolve_api_key(None) == "from-env" and resolve_api_key("cfg") == "cfg"
     monkeypatch.delenv("ROSERAY_API_KEY")
@@ -117,11 +117,8 @@ def test_roseray_api_key_from_the_environment(monkeypatch):
 
 # ---- loopback defaults -----------------------------------------------------------------------------------
 def test_everything_binds_loopback_by_default():
-    from roseray.openai_api.standalone import build_server, run_standalone
-
     assert cli.build_parser().parse_args(["serve"]).host == "127.0.0.1"
-    for fn in (run_standalone, build_server):
-        assert inspect.signature(fn).parameters["host"].default == "127.0.0.1", fn
+    assert ServerConfig().host == "127.0.0.1"  # what run_standalone, build_server and the API processes bind
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     assert config["http_options"]["host"] == "127.0.0.1"
 
@@ -170,11 +167,11 @@ def test_serving_beyond_loopback_without_a_key_warns(caplog):
 
     engine = AsyncLLMEngine.from_engine_config(EngineConfig(model=MODEL, num_kv_blocks=8, max_model_len=64))
     with caplog.at_level(logging.WARNING, logger="roseray.openai_api.standalone"):
-        build_server(engine, host="0.0.0.0", port=1)
+        build_server(engine, ServerConfig(host="0.0.0.0", port=1))
         assert "without an API key" in caplog.text
         caplog.clear()
-        build_server(engine, host="0.0.0.0", port=1, api_key=KEY)
-        build_server(engine, port=1)
+        build_server(engine, ServerConfig(host="0.0.0.0", port=1, api_key=KEY))
+        build_server(engine, ServerConfig(port=1))
         assert "without an API key" not in caplog.text
 
 

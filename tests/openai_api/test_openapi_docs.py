@@ -12,6 +12,7 @@ import pytest
 from hypothesis import settings
 from starlette.testclient import TestClient
 
+from roseray.config import EngineConfig, ServerConfig
 from roseray.openai_api.api import create_app
 from roseray.openai_api.protocol import REFUSED_KEY
 from roseray.runtime.async_engine import AsyncEngineStats
@@ -28,12 +29,13 @@ async def _shutdown(drain_timeout_s: float) -> None:
 
 
 def stand_in_engine() -> SimpleNamespace:
+    model = SimpleNamespace(tokenizer=None, model_name=MODEL, max_model_len=None, config=EngineConfig(model=MODEL))
     return SimpleNamespace(stats=AsyncEngineStats(), check_health=lambda: None, is_ready=True, start=lambda: None,
-                           shutdown=_shutdown)
+                           shutdown=_shutdown, engine=model)
 
 
 def app(**kwargs):
-    return create_app(stand_in_engine(), None, model_name=MODEL, **kwargs)
+    return create_app(stand_in_engine(), ServerConfig(**kwargs))
 
 
 @pytest.fixture(scope="module")

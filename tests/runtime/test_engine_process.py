@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from roseray import envs
 from roseray.config import EngineConfig
 from roseray.engine.outputs import RequestSummary
 from roseray.runtime.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState
@@ -289,10 +290,15 @@ def test_started_on_an_event_loop_the_engine_process_is_driven_by_it():
         off_loop.wait_stopped(15)
 
 
-def test_while_the_engine_steps_an_add_goes_at_once():
+@pytest.mark.parametrize("hold", [False, True])
+def test_while_the_engine_steps_an_add_goes_at_once(monkeypatch, hold):
     """The engine process takes commands between steps: once it steps, an add held to the end
     of a busy loop iteration could miss steps, so each goes at once (an idle engine still gets
-    one iteration's adds as one message: the test above)."""
+    one iteration's adds as one message: the test above). ROSERAY_ADD_FLUSH=iteration, the
+    experiment switch, holds them as before."""
+    if hold:
+        monkeypatch.setenv(envs.ADD_FLUSH_ENV, "iteration")
+
     async def main():
         engine = AsyncLLMEngine.from_engine_config(config(engine_process=True), heartbeat_s=0.1)
         engine.start()
@@ -303,9 +309,10 @@ def test_while_the_engine_steps_an_add_goes_at_once():
         assert engine.stats.num_running == 1 and [type(decode(m)) for m in sent] == [AddRequests]
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         streams = [await engine.add_request(f"r{i}", [3 + i, 2], params) for i in range(3)]
-        assert [len(decode(m).handles) for m in sent[1:]] == [1, 1, 1]
+        assert [len(decode(m).handles) for m in sent[1:]] == ([] if hold else [1, 1, 1])
         for stream in streams:
             assert len([t async for deltas in stream for d in deltas for t in d.new_token_ids]) == 2
+        assert [len(decode(m).handles) for m in sent[1:]] == ([3] if hold else [1, 1, 1])
         long.close()
         await engine.shutdown()
 
