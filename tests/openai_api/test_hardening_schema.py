@@ -86,7 +86,7 @@ class LazyTarget:
 
 LAZY = LazyTarget()
 # the routes, not the engine, make the schema: an app over a stand-in engine is enough to read it
-STAND_IN = SimpleNamespace(stats=AsyncEngineStats(), engine=SimpleNamespace(
+STAND_IN = SimpleNamespace(stats=AsyncEngineStats(), client=SimpleNamespace(
     tokenizer=None, model_name=MODEL, max_model_len=MAX_MODEL_LEN, config=EngineConfig(model=MODEL)))
 schema = schemathesis.openapi.from_dict(create_app(STAND_IN, ServerConfig()).openapi())
 schema.app = LAZY

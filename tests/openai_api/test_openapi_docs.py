@@ -31,7 +31,7 @@ async def _shutdown(drain_timeout_s: float) -> None:
 def stand_in_engine() -> SimpleNamespace:
     model = SimpleNamespace(tokenizer=None, model_name=MODEL, max_model_len=None, config=EngineConfig(model=MODEL))
     return SimpleNamespace(stats=AsyncEngineStats(), check_health=lambda: None, is_ready=True, start=lambda: None,
-                           shutdown=_shutdown, engine=model)
+                           shutdown=_shutdown, client=model)
 
 
 def app(**kwargs):
