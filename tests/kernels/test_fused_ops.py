@@ -107,7 +107,7 @@ def test_layernorm_of_a_row_strided_view_and_a_constant_row():
     got = layernorm(x, weight, bias, 1e-5)
     assert got.shape == x.shape and got.is_contiguous()
     assert rel_err(got, layernorm_reference(x, weight, bias, 1e-5)) < 1e-5
-    torch.testing.assert_close(got[0], bias, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got[0], bias, atol=1e-4, rtol=0)  # the mean's fp32 rounding, over rstd ~ 316
 
 
 # --- SiLU and mul ----------------------------------------------------------------------
