@@ -1,5 +1,6 @@
 # roseray: two commands on a fresh machine.
-#   make serve   — install and run the Ray Serve app (serve_config.yaml) on this machine
+#   make serve   — install and run the Ray Serve app (serve_config.yaml) on this machine (Ctrl-C stops it)
+#   make serve-bg / make stop — the same in the background, and its stop
 #   make test    — install and run the test suite
 # Both create .venv first. torch is pinned so pip never resolves a newer (CUDA) build.
 
@@ -8,8 +9,11 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 TORCH  ?= torch==2.13.0
 PIP     = $(BIN)/python -m pip
+SERVE_CONFIG ?= serve_config.yaml
+HAPROXY_DIR  ?=
+HAPROXY_DIR_ARG = $(if $(HAPROXY_DIR),--dir $(HAPROXY_DIR))
 
-.PHONY: install install-test serve standalone generate test bench-step clean
+.PHONY: install install-test serve serve-bg stop standalone generate test bench-step clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +28,19 @@ install-test: $(BIN)/python
 	$(PIP) install -q "$(TORCH)" -e ".[serve,test,bench]"
 
 # HAProxy-mode flags must be in Ray's environment when it starts (roseray.ray_serve.haproxy_env).
+# preflight: a taken port is one line and exit 1, before Ray starts. exec: make's SIGTERM reaches
+# `serve run` itself (a shell in between would die and leave it running).
 serve: install
-	eval "$$($(BIN)/python -m roseray.ray_serve.haproxy_env)" && $(BIN)/serve run serve_config.yaml
+	$(BIN)/python -m roseray.ray_serve.preflight $(SERVE_CONFIG)
+	eval "$$($(BIN)/python -m roseray.ray_serve.haproxy_env $(HAPROXY_DIR_ARG))" && exec $(BIN)/serve run $(SERVE_CONFIG)
+
+# the same in the background (pid file and log in /tmp/roseray-serve-<uid>); `make stop` stops it
+# and everything it started. SERVE_CONFIG: another Serve config; HAPROXY_DIR: haproxy_env's --dir
+serve-bg: install
+	$(BIN)/python -m roseray.ray_serve.background $(HAPROXY_DIR_ARG) start $(SERVE_CONFIG)
+
+stop:
+	$(BIN)/python -m roseray.ray_serve.background $(HAPROXY_DIR_ARG) stop
 
 standalone: install
 	$(BIN)/roseray serve --model random:tiny
