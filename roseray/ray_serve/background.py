@@ -69,6 +69,8 @@ def session_pids(session: int) -> list[int]:
 
 
 def cmdline(pid: int) -> list[str]:
+    """The arguments of `pid` (one string holding them all when the process set its title, as
+    Ray's processes do)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return [part.decode(errors="replace") for part in f.read().split(b"\0") if part]
@@ -129,7 +131,7 @@ class Paths:
                 pid = int(f.read().strip())
         except (OSError, ValueError):
             return None
-        return pid if alive(pid) and "run" in cmdline(pid) else None
+        return pid if alive(pid) and " run " in f" {' '.join(cmdline(pid))} " else None
 
 
 def start(config: str, run_dir: str, state_dir: str) -> int:

@@ -102,33 +102,35 @@ def test_idle_sigint_stops_within_five_seconds(serve_run):
 
 def _background(serve_run, *args: str) -> subprocess.CompletedProcess:
     """`python -m roseray.ray_serve.background ...`, what `make serve-bg` / `make stop` run."""
-    run_dir = str(serve_run.log_path.parent / "run")
+    run_dir = str(serve_run.config.parent / "run")
     return subprocess.run([sys.executable, "-m", "roseray.ray_serve.background", "--run-dir", run_dir,
                            "--dir", serve_run.state_dir, *args], cwd=REPO, env=serve_run.env,
                           capture_output=True, text=True, timeout=120)
 
 
-def _haproxy_manager(session: int) -> int:
-    (pid,) = [pid for pid in session_pids(session) if cmdline(pid)[:1] == ["ray::HAProxyManager"]]
-    return pid
+def test_haproxy_exits_when_ray_is_killed(serve_run):
+    """`ray stop --force` SIGKILLs Ray's processes, the raylet and the HAProxyManager actor among
+    them, which leaves nobody to stop the HAProxy that actor started: it must go by itself."""
+    serve_run.start()
+    serve_run.wait_serving()
+    haproxy = haproxy_pids(serve_run.state_dir)
+    assert haproxy
+    ray_processes = [pid for pid in session_pids(serve_run.session) if pid != serve_run.session and pid not in haproxy]
+    assert any(cmdline(pid)[:1] == ["ray::HAProxyManager"] for pid in ray_processes)
+    for pid in ray_processes:
+        os.kill(pid, signal.SIGKILL)
+    assert not wait_gone(haproxy, 10), "HAProxy outlived Ray"
+    assert port_is_free(serve_run.port)
 
 
 def test_make_stop_stops_a_background_server(serve_run):
-    """`make serve-bg`, then `make stop` with a stream in flight. On the way, HAProxy follows
-    its HAProxyManager actor when Ray kills that (`ray stop --force` does: SIGKILL, which
-    leaves Serve no time to stop HAProxy)."""
+    """`make serve-bg`, then `make stop` with a stream in flight."""
     started = _background(serve_run, "start", str(serve_run.config))
     assert started.returncode == 0, started.stderr
-    pid_file = serve_run.log_path.parent / "run" / "serve.pid"
+    pid_file = serve_run.config.parent / "run" / "serve.pid"
     serve_run.process = _Adopted(int(pid_file.read_text()))  # for leftovers() and cleanup()
-    serve_run.log_path = serve_run.log_path.parent / "run" / "serve.log"
+    serve_run.log_path = serve_run.config.parent / "run" / "serve.log"
     serve_run.wait_serving()
-    first_haproxy = haproxy_pids(serve_run.state_dir)
-    assert first_haproxy
-    os.kill(_haproxy_manager(serve_run.session), signal.SIGKILL)
-    assert not wait_gone(first_haproxy, 10), "HAProxy outlived the actor that started it"
-    serve_run.wait_serving()  # Serve starts another HAProxyManager, and it another HAProxy
-    assert haproxy_pids(serve_run.state_dir)
     stream = Stream(serve_run.url)
     stream.start()
     assert stream.first.wait(60)
