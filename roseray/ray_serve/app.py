@@ -13,6 +13,7 @@ No `from __future__ import annotations` here: Serve ships these classes by value
 FastAPI must see the real `Request` annotation of the route methods, not a string.
 """
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -32,6 +33,7 @@ from roseray.openai_api.body_limit import DEFAULT_MAX_BODY_BYTES
 from roseray.openai_api.metrics_share import MetricsShare
 from roseray.ray_serve import wiring
 from roseray.ray_serve.haproxy_env import ROUTER_REPLICAS_ENV, router_replicas_in_env
+from roseray.ray_serve.ready import ReadyAnnouncement
 from roseray.ray_serve.replica_api_processes import ReplicaAPIProcesses, start_shared_engine
 from roseray.ray_serve.router_endpoint import RouterEndpoint
 from roseray.ray_serve.router_server import LeanRouterServer
@@ -78,6 +80,7 @@ class EngineDeployment:
         else:
             self.engine = AsyncLLMEngine.from_engine_config(config, stuck_after_s=stuck_after_s)
         self.engine.start()
+        self._kv_block_tokens = config.block_size
         llm = self.engine.engine
         self._app_kwargs = dict(model_name=served_model_name or llm.model_name, max_model_len=llm.max_model_len,
                                 replica_name=self.replica_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
@@ -109,6 +112,12 @@ class EngineDeployment:
         self.engine.check_health()
         if self.api_processes is not None:
             self.api_processes.check()
+
+    def serving_info(self) -> dict[str, Any]:
+        """What the ready line names (ready.py): the model clients send and this replica's KV
+        cache in tokens."""
+        return {"model": self._app_kwargs["model_name"],
+                "kv_tokens": self.engine.stats.num_total_blocks * self._kv_block_tokens}
 
     async def check_integrity(self) -> dict[str, Any]:
         """The engine's KV accounting check, run between two steps (through a DeploymentHandle:
@@ -144,6 +153,12 @@ class RouterDeployment:
             else:
                 self.endpoint.on_shutdown.append(server.stop)
                 server.start()
+        # "roseray ready at ..." once the app serves through this node's HAProxy (ready.py)
+        announcement = ReadyAnnouncement(engine, serve.get_replica_context().app_name, ticket_secret)
+        try:
+            self._ready_task = asyncio.get_running_loop().create_task(announcement.run())
+        except RuntimeError:  # no running event loop here
+            logger.warning("no event loop in the Router replica: no ready line")
 
     def __serve_build_asgi_app__(self) -> RouterEndpoint:
         return self.endpoint
@@ -205,7 +220,8 @@ class RouterArgs(BaseModel):
         if value != "auto" and value != per_node:
             raise ValueError(f"router.num_replicas={value}, but Ray runs {ROUTER_REPLICAS_ENV}={per_node} Router "
                              f"replica(s) per proxy node and ignores the deployment's count: start Ray after "
-                             f"`eval \"$(python -m roseray.ray_serve.haproxy_env --router-replicas-per-node {value})\"`")
+                             "`eval \"$(python -m roseray.ray_serve.haproxy_env "
+                             f"--router-replicas-per-node {value})\"`")
         return value
 
     def replicas(self) -> int:
@@ -221,6 +237,11 @@ class RouterArgs(BaseModel):
 # median pair rose from 83% to 87% of the in-process engine, within the runs' noise, while TTFT
 # p50 went from 14 to 21 ms and chunk gaps to 1.1-1.5x the step.
 GPU_REPLICA_API_PROCESSES = 4
+
+# How often a stopping replica counts its requests in flight (Serve's graceful_shutdown_wait_loop_s).
+# Serve's 2 s is a wait before the first count: an idle Router then held every stop that long
+# (Serve stops the Router before the Engine replicas). Polling costs nothing here.
+SHUTDOWN_POLL_S = 0.2
 
 
 class AppArgs(BaseModel):
@@ -296,6 +317,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_waiting_requests + 64,
         # the drain, then (API processes) their own uvicorn shutdown and the engine child's exit
         graceful_shutdown_timeout_s=app_args.drain_timeout_s + (5 if api_processes == 1 else 20),
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         health_check_period_s=5.0,
         health_check_timeout_s=30.0,
         request_router_config=RequestRouterConfig(
@@ -308,7 +330,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
            app_args.max_body_bytes, api_processes)
     router = RouterDeployment.options(
         num_replicas=app_args.router.replicas(), ray_actor_options=ROUTER_ACTOR_OPTIONS,
-        max_ongoing_requests=10_000,
+        max_ongoing_requests=10_000, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
     ).bind(engine, secret, hint_config, app_args.router.policy)
     logger.info("roseray app: %d engine replica(s) of %s, %s GPU and %d API process(es) each; %d Router(s) per "
                 "proxy node, policy %s", num_replicas, engine_config.model, num_gpus, api_processes,

@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import ast
 import glob
+import json
 import os
 import shlex
 import shutil
@@ -143,9 +144,11 @@ _WRAPPER = r'''#!{python} -IS
 # Written by roseray.ray_serve.haproxy_env: exec Ray's HAProxy after moving the stats and
 # Prometheus listeners of its config to loopback, closing the admin socket's mode and
 # letting the routed backends retry an empty response (and, with ROSERAY_HAPROXY_SPLICE=0,
-# dropping the splice options). HAProxy gets SIGTERM when the process that started it
-# (Serve's HAProxyManager actor) dies: Ray kills that actor without stopping HAProxy when
-# its driver gets SIGTERM, and an orphaned HAProxy would keep the serving port.
+# dropping the splice options), and answering what HAProxy itself answers while the app is
+# not served (no app deployed yet; the Router could not pick a replica) with a 503 in the
+# OpenAI error shape and Retry-After instead of Ray's plain-text 404 / 503. HAProxy gets SIGTERM
+# when the process that started it (Serve's HAProxyManager actor) dies: `ray stop --force`
+# SIGKILLs that actor and the raylet, nobody stops HAProxy then, and it would keep the port.
 # -IS: the standard library only, no site-packages (HAProxy's start waits for this script).
 import ctypes, os, re, signal, sys
 PARENT = os.getppid()
@@ -159,6 +162,8 @@ REAL = {real!r}
 RETRY_ON = {retry_on!r}
 SPLICE = os.environ.get("{splice_env}", "1") != "0"
 REUSE = os.environ.get("{reuse_env}", "")
+NOT_DEPLOYED = {not_deployed!r}
+NOT_ROUTED = {not_routed!r}
 args = sys.argv[1:]
 for i, arg in enumerate(args[:-1]):
     if arg == "-f" and os.path.isfile(args[i + 1]):
@@ -166,6 +171,7 @@ for i, arg in enumerate(args[:-1]):
         with open(path) as f:
             lines = f.read().split("\n")
         section, out = "", []
+        no_app = not any(re.match(r"^\s*use_backend\s", line) for line in lines)
         for j, line in enumerate(lines):
             if line and not line[0].isspace():
                 section = line.split()[0] + " " + (line.split() + [""])[1]
@@ -174,6 +180,11 @@ for i, arg in enumerate(args[:-1]):
             line = re.sub(r"^(\s*stats socket\s+\S+\s+mode\s+)666\b", r"\g<1>600", line)
             if not SPLICE and re.match(r"^\s*option\s+splice-(request|response)\s*$", line):
                 continue
+            default = section == "backend default_backend"
+            if no_app and default and re.match(r"^\s*http-request return status 404 ", line):
+                line = NOT_DEPLOYED
+            if re.match(r'^\s*http-request return status 503 .*"Ingress request router failed: ', line):
+                line = NOT_ROUTED + line[line.index(" hdr X-Serve-Reason "):]
             routed = section.startswith("backend ") and section.endswith("-via-ingress-request-router")
             if routed and REUSE and re.match(r"^\s*http-reuse\s", line):
                 line = "    http-reuse " + REUSE
@@ -201,6 +212,22 @@ def wrapped_binary(path: str) -> str | None:
     return None
 
 
+def _unavailable(message: str, code: str) -> str:
+    """An HAProxy `http-request return` of a 503 in the OpenAI error shape with Retry-After (the
+    rest of the line, `hdr ...` and its condition, follows)."""
+    body = json.dumps({"error": {"message": message, "type": "service_unavailable", "param": None, "code": code}})
+    assert "'" not in body and "%" not in body  # inside HAProxy's single quotes, as a log-format string
+    return f"    http-request return status 503 content-type application/json lf-string '{body}' hdr Retry-After 1"
+
+
+# HAProxy's answer while it serves no app (Ray's: 404 "Path '...' not found"): Serve starts HAProxy
+# before the app's replicas are up, and a stopping Serve removes the app first.
+NOT_DEPLOYED = _unavailable("not ready: the model is not being served yet (starting or stopping)", "not_ready")
+# HAProxy's answer when the Router answered no replica (Ray's: 503 "Ingress request router failed: <why>",
+# plain text; its X-Serve-Reason header stays).
+NOT_ROUTED = _unavailable("no engine replica can take the request now", "not_routed")
+
+
 def find_haproxy() -> str:
     """The HAProxy binary: Ray's choice (RAY_SERVE_HAPROXY_BINARY_PATH, then the bundled one), or
     the binary behind it when that is already one of these wrappers (haproxy_env's variables
@@ -226,7 +253,8 @@ def write_wrapper(state_dir: str, real_binary: str | None = None) -> str:
         raise RuntimeError(f"{path} would exec itself: unset RAY_SERVE_HAPROXY_BINARY_PATH")
     with open(path, "w") as f:
         f.write(_WRAPPER.format(python=sys.executable, real=real_binary, retry_on=RETRY_ON,
-                                splice_env=SPLICE_ENV, reuse_env=REUSE_ENV))
+                                splice_env=SPLICE_ENV, reuse_env=REUSE_ENV,
+                                not_deployed=NOT_DEPLOYED, not_routed=NOT_ROUTED))
     os.chmod(path, 0o700)
     return path
 

@@ -1,0 +1,108 @@
+"""The log line that says the app serves, printed once per node by one of its Router replicas:
+
+    roseray ready at http://HOST:PORT (model M, N replicas, KV capacity K tokens)
+
+"Ready" is tested, not assumed: a POST through this node's HAProxy must come back from an
+engine replica, which takes HAProxy, the app's routes, a Router (HAProxy asks one for every
+POST) and an engine replica. The probe's path is one the engine's app does not serve, so it
+generates nothing and leaves the request metrics alone: its JSON 404 (or 401 with an
+api_key) comes from an engine, while HAProxy's own answers before that are 503s (see
+haproxy_env's NOT_DEPLOYED and NOT_ROUTED) or a refused connection. N is the engine replicas
+HAProxy lists then; K is their KV cache in tokens, all replicas together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+
+from ray.serve.handle import DeploymentHandle
+
+from roseray.ray_serve import wiring
+
+# Serve's replica logger: its lines reach `serve run`'s terminal and the replica's log file
+logger = logging.getLogger("ray.serve")
+
+PROBE_PATH = "/v1/roseray-ready-probe"
+PROBE_PERIOD_S = 0.5
+PROBE_TIMEOUT_S = 5.0
+
+
+async def http_post(host: str, port: int, path: str, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[int, bytes]:
+    """(status, body) of an empty-bodied HTTP/1.0 POST; OSError / TimeoutError when no answer."""
+    async def exchange() -> bytes:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(f"POST {path} HTTP/1.0\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 2\r\n\r\n{{}}".encode())
+            await writer.drain()
+            return await reader.read()
+        finally:
+            writer.close()
+
+    raw = await asyncio.wait_for(exchange(), timeout_s)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        raise OSError(f"not an HTTP answer: {raw[:80]!r}") from None
+    return status, body
+
+
+def engine_answered(status: int, body: bytes) -> bool:
+    """Whether a probe's answer came from an engine replica's app (see the module docstring)."""
+    if status >= 500:
+        return False
+    try:
+        return "error" in json.loads(body)
+    except ValueError:
+        return False
+
+
+def ready_line(url: str, model: str, replicas: int, kv_tokens: int) -> str:
+    return f"roseray ready at {url} (model {model}, {replicas} replicas, KV capacity {kv_tokens} tokens)"
+
+
+def claim_once(marker_dir: str, key: str) -> bool:
+    """True for the first caller with `key` in `marker_dir` (a file made with O_EXCL): the Router
+    replicas of one node print the line once between them."""
+    name = "roseray-ready-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    try:
+        os.close(os.open(os.path.join(marker_dir, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    return True
+
+
+class ReadyAnnouncement:
+    """Probes until the app serves through this node's HAProxy, then logs `ready_line` once."""
+
+    def __init__(self, engine: DeploymentHandle, app_name: str, build_key: str,
+                 post: Callable[[str, int, str], Awaitable[tuple[int, bytes]]] = http_post) -> None:
+        self.engine = engine
+        self.app_name = app_name
+        self.build_key = build_key  # differs per build of the app: a redeploy announces again
+        self.post = post
+        self.line: str | None = None
+
+    async def run(self) -> str | None:
+        """The line, once logged (None: another Router replica of this node logged it)."""
+        host, port, url = await asyncio.to_thread(wiring.local_http_address)
+        while True:
+            try:
+                if engine_answered(*await self.post(host, port, PROBE_PATH)):
+                    break
+            except (OSError, TimeoutError):
+                pass
+            await asyncio.sleep(PROBE_PERIOD_S)
+        replicas = len(await asyncio.to_thread(wiring.engine_http_targets, self.app_name))
+        info = await self.engine.serving_info.remote()
+        if not claim_once(wiring.session_dir(), f"{self.app_name}\0{self.build_key}"):
+            return None
+        self.line = ready_line(url, info["model"], replicas, replicas * info["kv_tokens"])
+        logger.info(self.line)
+        return self.line
