@@ -11,8 +11,8 @@ can find everything the server started:
   1. SIGINT to `serve run`: Serve shuts its applications down (replicas drain) and Ray stops;
   2. after `--grace-s`, SIGTERM (Ray's driver then exits at once and stops the local Ray);
   3. what is still in the session after that gets SIGTERM, then SIGKILL;
-  4. an HAProxy of haproxy_env's directory left from an earlier run (one that lost its
-     parent before haproxy_env's wrapper made it follow its parent) gets the same.
+  4. an HAProxy of haproxy_env's directory whose HAProxyManager is gone (left by a run from
+     before haproxy_env's wrapper made HAProxy follow its parent) gets the same.
 """
 
 from __future__ import annotations
@@ -89,6 +89,18 @@ def haproxy_pids(state_dir: str) -> list[int]:
             if any(os.path.abspath(config).startswith(prefix) for config in configs):
                 found.append(pid)
     return sorted(found)
+
+
+def orphaned_haproxy_pids(state_dir: str) -> list[int]:
+    """haproxy_pids whose parent is not a live HAProxyManager actor: left by a run that is gone
+    (a running `make serve`'s HAProxy is not among them)."""
+    orphans = []
+    for pid in haproxy_pids(state_dir):
+        fields = _stat_fields(pid)
+        parent = int(fields[1]) if fields else 1
+        if not " ".join(cmdline(parent)).startswith("ray::HAProxyManager") or not alive(parent):
+            orphans.append(pid)
+    return orphans
 
 
 def wait_gone(pids: Iterable[int], timeout_s: float) -> list[int]:
@@ -173,7 +185,7 @@ def stop(run_dir: str, state_dir: str, grace_s: float = GRACE_S, term_wait_s: fl
                 os.kill(pid, signal.SIGKILL)
         # Ray stops its processes once its driver is gone; what is left after that gets signals
         terminate(wait_gone(session_pids(pid), term_wait_s), term_wait_s)
-    leftovers = haproxy_pids(state_dir)
+    leftovers = orphaned_haproxy_pids(state_dir)
     terminate(leftovers, term_wait_s)
     try:
         os.unlink(paths.pid_file)

@@ -90,7 +90,15 @@ class ReadyAnnouncement:
         self.line: str | None = None
 
     async def run(self) -> str | None:
-        """The line, once logged (None: another Router replica of this node logged it)."""
+        """The line, once logged (None: another Router replica of this node logged it, or the
+        announcement failed: a warning says why; serving goes on either way)."""
+        try:
+            return await self._announce()
+        except Exception as error:  # noqa: BLE001 - a missing log line must not break the Router
+            logger.warning("roseray: no ready line: %r", error)
+            return None
+
+    async def _announce(self) -> str | None:
         host, port, url = await asyncio.to_thread(wiring.local_http_address)
         while True:
             try:
