@@ -80,7 +80,6 @@ class EngineDeployment:
         else:
             self.engine = AsyncLLMEngine.from_engine_config(config, stuck_after_s=stuck_after_s)
         self.engine.start()
-        self._kv_block_tokens = config.block_size
         llm = self.engine.engine
         self._app_kwargs = dict(model_name=served_model_name or llm.model_name, max_model_len=llm.max_model_len,
                                 replica_name=self.replica_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
@@ -113,12 +112,6 @@ class EngineDeployment:
         if self.api_processes is not None:
             self.api_processes.check()
 
-    def serving_info(self) -> dict[str, Any]:
-        """What the ready line names (ready.py): the model clients send and this replica's KV
-        cache in tokens."""
-        return {"model": self._app_kwargs["model_name"],
-                "kv_tokens": self.engine.stats.num_total_blocks * self._kv_block_tokens}
-
     async def check_integrity(self) -> dict[str, Any]:
         """The engine's KV accounting check, run between two steps (through a DeploymentHandle:
         operators and tests; not an HTTP route). Raises if the accounting is broken."""
@@ -139,7 +132,7 @@ class RouterDeployment:
     server stays if that fails (`lean_server=False`: keep Serve's)."""
 
     def __init__(self, engine: DeploymentHandle, ticket_secret: str, hint_config: dict,
-                 policy: str = "kv_queue", lean_server: bool = True) -> None:
+                 policy: str = "kv_queue", lean_server: bool = True, served_model_name: str = "") -> None:
         self.engine = engine
         self.tickets = TicketSigner(ticket_secret)
         self.hint_config = HintConfig(**hint_config)
@@ -154,7 +147,8 @@ class RouterDeployment:
                 self.endpoint.on_shutdown.append(server.stop)
                 server.start()
         # "roseray ready at ..." once the app serves through this node's HAProxy (ready.py)
-        announcement = ReadyAnnouncement(engine, serve.get_replica_context().app_name, ticket_secret)
+        announcement = ReadyAnnouncement(engine, serve.get_replica_context().app_name, ticket_secret,
+                                         served_model_name, self.hint_config.block_size)
         try:
             self._ready_task = asyncio.get_running_loop().create_task(announcement.run())
         except RuntimeError:  # no running event loop here
@@ -331,7 +325,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     router = RouterDeployment.options(
         num_replicas=app_args.router.replicas(), ray_actor_options=ROUTER_ACTOR_OPTIONS,
         max_ongoing_requests=10_000, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
-    ).bind(engine, secret, hint_config, app_args.router.policy)
+    ).bind(engine, secret, hint_config, app_args.router.policy,
+           served_model_name=app_args.served_model_name or engine_config.model)
     logger.info("roseray app: %d engine replica(s) of %s, %s GPU and %d API process(es) each; %d Router(s) per "
                 "proxy node, policy %s", num_replicas, engine_config.model, num_gpus, api_processes,
                 app_args.router.replicas(), app_args.router.policy)

@@ -8,7 +8,8 @@ POST) and an engine replica. The probe's path is one the engine's app does not s
 generates nothing and leaves the request metrics alone: its JSON 404 (or 401 with an
 api_key) comes from an engine, while HAProxy's own answers before that are 503s (see
 haproxy_env's NOT_DEPLOYED and NOT_ROUTED) or a refused connection. N is the engine replicas
-HAProxy lists then; K is their KV cache in tokens, all replicas together.
+HAProxy lists then; K is their KV cache in tokens, all replicas together (one replica's
+`kv_total` routing stat times N: they share one engine config).
 """
 
 from __future__ import annotations
@@ -81,11 +82,13 @@ def claim_once(marker_dir: str, key: str) -> bool:
 class ReadyAnnouncement:
     """Probes until the app serves through this node's HAProxy, then logs `ready_line` once."""
 
-    def __init__(self, engine: DeploymentHandle, app_name: str, build_key: str,
+    def __init__(self, engine: DeploymentHandle, app_name: str, build_key: str, model: str, block_size: int,
                  post: Callable[[str, int, str], Awaitable[tuple[int, bytes]]] = http_post) -> None:
         self.engine = engine
         self.app_name = app_name
         self.build_key = build_key  # differs per build of the app: a redeploy announces again
+        self.model = model
+        self.block_size = block_size
         self.post = post
         self.line: str | None = None
 
@@ -108,9 +111,13 @@ class ReadyAnnouncement:
                 pass
             await asyncio.sleep(PROBE_PERIOD_S)
         replicas = len(await asyncio.to_thread(wiring.engine_http_targets, self.app_name))
-        info = await self.engine.serving_info.remote()
+        while True:  # one replica's KV blocks from its routing stats (every replica has the same engine config)
+            kv_blocks = (await wiring.replica_routing_stats(self.engine)).get("kv_total")
+            if kv_blocks is not None:
+                break
+            await asyncio.sleep(PROBE_PERIOD_S)
         if not claim_once(wiring.session_dir(), f"{self.app_name}\0{self.build_key}"):
             return None
-        self.line = ready_line(url, info["model"], replicas, replicas * info["kv_tokens"])
+        self.line = ready_line(url, self.model, replicas, replicas * int(kv_blocks) * self.block_size)
         logger.info(self.line)
         return self.line

@@ -104,6 +104,13 @@ async def pick_replica(handle: DeploymentHandle, *route_args, reserve: bool = Fa
         return ReplicaPick(host=endpoint[0], port=endpoint[1], replica_id=replica.replica_id.to_full_id_str())
 
 
+async def replica_routing_stats(handle: DeploymentHandle) -> dict:
+    """The routing stats (its `record_routing_stats`) of the replica the deployment's RequestRouter
+    ranks first, as the router last received them; nothing is sent to the replica."""
+    async with handle.choose_replica(_reserve=False) as selection:
+        return dict(selection._replica.routing_stats or {})
+
+
 def _http_targets(app_name: str, routers: bool = False) -> list[tuple[str, int, str]]:
     """(node ip, port, actor name) of each replica of `app_name`'s ingress deployment as
     HAProxy sees them, or with `routers` of its ingress request router (the Router) as

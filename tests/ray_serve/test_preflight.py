@@ -87,3 +87,20 @@ def test_an_address_not_on_this_machine_is_one_line(tmp_path):
 def test_an_unreadable_config_is_one_line(tmp_path):
     out = _preflight(tmp_path / "missing.yaml")
     assert out.returncode == 1 and len(out.stderr.splitlines()) == 1 and "missing.yaml" in out.stderr
+
+
+def test_make_serve_on_a_taken_port_stops_before_ray(tmp_path):
+    """`make serve` runs the check first: the one line, no Ray start, no traceback."""
+    port = free_port()
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        out = subprocess.run(["make", "--no-print-directory", "-o", "install", "serve", f"VENV={venv}",
+                              f"SERVE_CONFIG={_config(tmp_path, port)}", f"HAPROXY_DIR={tmp_path / 'hap'}"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.count(f"roseray: port {port} is taken by ") == 1, out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    assert "serve run" not in out.stdout.splitlines()[-1], "make went on to serve run"
+    assert not (tmp_path / "hap").exists(), "haproxy_env ran: the check must come first"

@@ -153,7 +153,8 @@ def test_make_stop_stops_a_background_server(serve_run):
     serve_run.wait_serving()
     stream = Stream(serve_run.url)
     stream.start()
-    assert stream.first.wait(60)
+    assert stream.first.wait(60) and stream.status == 200, (stream.status, stream.error)
+    assert stream.finished_at is None, "the stream ended before the stop: nothing in flight"
     began = time.monotonic()
     stopped = _background(serve_run, "stop")
     assert stopped.returncode == 0, stopped.stderr
