@@ -203,7 +203,7 @@ def test_every_process_on_a_replica_port_refuses_unrouted_or_keyless_requests_an
     for _, port in cluster.engines():
         direct = f"http://127.0.0.1:{port}"
         answered = collections.Counter()
-        for i in range(16):  # new connections: the processes take turns accepting them
+        for _ in range(16):  # new connections: the processes take turns accepting them
             body = {"prompt": "sneaky", "max_tokens": 2}
             refused = httpx.post(direct + "/v1/completions", json=body, timeout=10, headers=AUTH)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_routed", refused.text

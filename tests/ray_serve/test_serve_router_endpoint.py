@@ -127,7 +127,8 @@ def test_answers_an_http_1_0_connection_close_request_like_haproxys_lua():
             await asyncio.sleep(0.01)
         body = b'{"prompt": [496], "max_tokens": 2}'
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /internal/route HTTP/1.0\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /internal/route HTTP/1.0\r\nHost: x\r\nConnection: close\r\n"
+                     b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\nx-request-id: abc\r\n\r\n" % len(body) + body)
         response = await asyncio.wait_for(reader.read(), 10)
         writer.close()
@@ -144,7 +145,8 @@ def test_answers_an_http_1_0_connection_close_request_like_haproxys_lua():
 
 def _router(policy):
     """A RouterDeployment's state without Serve: what its `pick` reads."""
-    return types.SimpleNamespace(engine="handle", policy=policy, hint_config=HintConfig(block_size=16, chars_per_token=1.0))
+    return types.SimpleNamespace(engine="handle", policy=policy,
+                                 hint_config=HintConfig(block_size=16, chars_per_token=1.0))
 
 
 def test_pick_builds_the_hint_from_body_session_and_truncation(monkeypatch):
@@ -162,7 +164,8 @@ def test_pick_builds_the_hint_from_body_session_and_truncation(monkeypatch):
     (handle, (hint,), reserve), = seen
     assert handle == "handle" and reserve is False
     assert hint == hint_from_body(body, None, router.hint_config, f"{len(body)}/{4 * len(body)}")
-    assert isinstance(hint, RoutingHint) and hint.need_blocks > hint_from_body(body, None, router.hint_config).need_blocks
+    assert isinstance(hint, RoutingHint)
+    assert hint.need_blocks > hint_from_body(body, None, router.hint_config).need_blocks
     seen.clear()
     asyncio.run(pick(router, b"", "sess-1", None))
     assert seen[0][1][0].prefix_hashes == hint_from_body(b"", "sess-1", router.hint_config).prefix_hashes != ()
@@ -176,7 +179,8 @@ def test_power_of_two_picks_through_serves_reservation(monkeypatch):
         return PICK
 
     monkeypatch.setattr(wiring, "pick_replica", pick_replica)
-    assert asyncio.run(serve_app.RouterDeployment.func_or_class.pick(_router("power_of_two"), b"{}", None, None)) == PICK
+    pick = serve_app.RouterDeployment.func_or_class.pick
+    assert asyncio.run(pick(_router("power_of_two"), b"{}", None, None)) == PICK
     assert seen == [((), True)]
 
 
