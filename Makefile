@@ -19,13 +19,21 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-install: $(BIN)/python
+# pip runs again only when pyproject.toml or this Makefile (the torch pin) changed since the
+# stamp was written: the install is editable, so code changes need none. torch goes first,
+# pinned, so that resolving the rest never pulls a newer (CUDA) build.
+$(VENV)/.installed-serve: pyproject.toml Makefile | $(BIN)/python
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q "$(TORCH)" -e ".[serve]"
+	$(PIP) install -q "$(TORCH)" -e ".[serve,client]"
+	touch $@
 
-install-test: $(BIN)/python
+$(VENV)/.installed-test: pyproject.toml Makefile | $(BIN)/python
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q "$(TORCH)" -e ".[serve,test,bench]"
+	$(PIP) install -q "$(TORCH)" -e ".[serve,client,test,bench]"
+	touch $@
+
+install: $(VENV)/.installed-serve
+install-test: $(VENV)/.installed-test
 
 # HAProxy-mode flags must be in Ray's environment when it starts (roseray.ray_serve.haproxy_env).
 # preflight: a taken port is one line and exit 1, before Ray starts. exec: make's SIGTERM reaches

@@ -35,7 +35,8 @@ def _silu_and_mul_kernel(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [num_tokens, 2 * inter] -> silu(gate) * up [num_tokens, inter]."""
-    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1, (gate_up.shape, gate_up.stride())
+    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1, \
+        (gate_up.shape, gate_up.stride())
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:

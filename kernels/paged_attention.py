@@ -42,18 +42,15 @@ class KernelConfig:
     use_dot: bool = True  # decode: tl.dot on >= 16-row tiles; False = dot-free rows in registers
 
 
-# From the H100 sweeps of `python -m roseray.bench kernels --sweep` (2026-11-21, triton 3.6):
-# decode 256 x 1024 (Qwen3 geometry) 373 us = 95% of 3.02 TB/s; most tiles of 32-128 keys
-# with 2-4 warps land within 1%, 8 warps or 32 keys x 4 warps x 3+ stages are 5-15% slower.
-# Prefill tiles of 64 rows x 64 keys are within 3% of the best shape tried.
+# Tile shapes chosen from `python -m roseray.bench kernels --sweep` on an H100 (BENCHMARKS.md,
+# "Kernel tile choices"): decode tiles of 32-128 keys with 2-4 warps are equivalent, 8 warps slower;
+# 64x64 prefill tiles are near the best shape tried.
 DECODE_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=3)
-# MHA decode (group of one; GPT-2: 12 heads of 64, batch 128, contexts <= 129) without tl.dot:
-# `--sweep decode_mha` on the H100 (2026-11-21): 32 or 64 keys x 2 warps best (16.5 us for
-# contexts 1..128), 8 warps 25-50% slower.
+# MHA decode (group of one, e.g. GPT-2's 12 heads of 64) runs without tl.dot: 32 keys x 2 warps.
 DECODE_MHA_CONFIG = KernelConfig(block_n=32, num_warps=2, num_stages=1, use_dot=False)
 PREFILL_CONFIG = KernelConfig(block_n=64, num_warps=4, num_stages=2, block_m=64)
-# Split-KV: batch 1 x 32768 keys 823 us unsplit -> 67 us at 32-128 splits (flat beyond 32);
-# batch 64 x 1024 gets slower with splits (106 -> 112 us), so only small grids are split.
+# Split-KV pays off only for small grids over long contexts (one long sequence); a full batch is
+# already enough programs and gets slower when split.
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
 

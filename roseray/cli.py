@@ -1,14 +1,25 @@
-"""`roseray serve | generate | bench` on the command line."""
+"""`roseray serve | generate | bench` on the command line.
+
+Errors are one line on stderr: exit 2 for a usage error (a flag the subcommand does not
+know, a value its parser or EngineConfig/ServerConfig refuses; printed under the
+subcommand's usage), exit 1 for a failure while running (a model that cannot be loaded, a
+sampling parameter the engine refuses, `--device cuda` without CUDA). `--debug` (or
+ROSERAY_DEBUG=1) shows the traceback instead. Ctrl-C ends quietly with exit 130 (`serve`
+drains first; uvicorn then raises the SIGINT it held back).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 
-from roseray.config import EngineConfig
+from roseray import envs
+from roseray.config import REMOVED_ENGINE_ARGS, EngineConfig, ServerConfig
+
+EXIT_RUNTIME_ERROR = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
 
 ENGINE_ARG_HELP = {
     "model": "a local Hugging Face directory, a hub id already in the local HF cache, or random:<preset> "
@@ -37,120 +48,196 @@ ENGINE_ARG_HELP = {
     "engine_process": "serving: run the engine loop in its own process, so that the HTTP server and the "
                       "engine do not share one GIL (default: on for CUDA)",
     "revision": "model revision in the HF cache",
-    "trust_remote_code": "unused: roseray runs its own model code only",
 }
+
+SERVER_DEFAULTS = ServerConfig()
+REMOVED_FLAGS = {"--" + name.replace("_", "-"): reason for name, reason in REMOVED_ENGINE_ARGS.items()}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's default once, after its help: not where the help already says its default,
+    and not for a default that says nothing (None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or not action.option_strings or default is None or default is False
+                or default is argparse.SUPPRESS or default == []):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
-        help_text = ENGINE_ARG_HELP.get(f.name, "")
+        help_text = ENGINE_ARG_HELP[f.name]
         if f.type in ("bool", bool, "bool | None"):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-        group.add_argument(flag, type=kind, default=f.default, help=f"{help_text} (default: %(default)s)")
+        group.add_argument(flag, type=kind, default=f.default, help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="roseray",
-        description="roseray: a continuous-batching LLM engine with a paged KV cache, served on Ray Serve. "
-                    "For the multi-replica Ray Serve app use `serve run serve_config.yaml`.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text for one or more prompts, offline",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
-    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
-    add_engine_args(gen)
-
-    serve = sub.add_parser("serve", help="serve the OpenAI API from one in-process engine (no Ray)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None,
-                       help="require this bearer key on every route but /health and /ready "
-                            "(default: $ROSERAY_API_KEY if set)")
-    serve.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
-    serve.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
-    serve.add_argument("--drain-timeout", type=float, default=30.0,
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default=SERVER_DEFAULTS.host,
+                       help="address to bind; 127.0.0.1 keeps the server to this machine")
+    group.add_argument("--port", type=int, default=SERVER_DEFAULTS.port, help="port to listen on (0: any free port)")
+    group.add_argument("--api-key", default=None,
+                       help=f"require this bearer key on every route but /health and /ready "
+                            f"(default: ${envs.API_KEY_ENV} if set, else none)")
+    group.add_argument("--served-model-name", default=None,
+                       help="model id clients send and /v1/models lists (default: --model)")
+    group.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default: user data)")
+    group.add_argument("--log-requests", action="store_true",
+                       help="log one line per finished request (token counts and time, no text)")
+    group.add_argument("--drain-timeout", type=float, default=SERVER_DEFAULTS.drain_timeout_s, metavar="SECONDS",
                        help="seconds running requests get to finish on shutdown; new ones get 503 meanwhile")
-    serve.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
+    group.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
                        help="a browser origin allowed to call the API, e.g. https://app.example.com (repeat; "
                             "none by default: CORS closed)")
-    serve.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
-                       help="request bodies larger than this get 413 (default: %(default)s)")
-    serve.add_argument("--api-processes", type=int, default=1, metavar="N",
-                       help="HTTP (API) processes in front of the one engine process (default: 1). One API "
-                            "process spends ~8 us of CPU per streamed token, so it writes every stream every step "
-                            "up to ~80 streams at a 0.66 ms engine step (~160 at 1.3 ms); beyond that it falls "
-                            "behind and clients get several tokens per chunk. N > 1 (Linux): N processes share the "
-                            "port (SO_REUSEPORT), each streams its own connections; the engine runs in its own "
-                            "process. Each process checks the engine-wide queue against --max-waiting-requests, "
-                            "so the limit holds for the server as a whole; /metrics from any process sums the "
-                            "per-request metrics of all (the others' part up to 1 s old)")
-    add_engine_args(serve)
+    group.add_argument("--docs", action=argparse.BooleanOptionalAction, default=SERVER_DEFAULTS.enable_docs,
+                       dest="enable_docs", help="serve the API schema at /openapi.json and Swagger UI at /docs")
+    group.add_argument("--max-body-bytes", type=int, default=SERVER_DEFAULTS.max_body_bytes,
+                       help="request bodies larger than this get 413")
+    group.add_argument("--api-processes", type=int, default=SERVER_DEFAULTS.api_processes, metavar="N",
+                       help="HTTP (API) processes in front of the one engine. One API process falls behind "
+                            "when it cannot write every stream every engine step (clients then get several "
+                            "tokens per chunk). N > 1 (Linux): N processes share the port (SO_REUSEPORT), each "
+                            "streams its own connections, and the engine runs in its own process; "
+                            "--max-waiting-requests holds for the server as a whole, and /metrics from any "
+                            "process sums the per-request metrics of all (the others' part up to 1 s old)")
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, stream, kernels, step-overhead",
-                           add_help=False)
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
+                        served_model_name=args.served_model_name, log_prompts=args.log_prompts,
+                        log_requests=args.log_requests, drain_timeout_s=args.drain_timeout,
+                        cors_origins=tuple(args.cors_origins), max_body_bytes=args.max_body_bytes,
+                        api_processes=args.api_processes, enable_docs=args.enable_docs)
+
+
+def add_debug_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=f"print the full traceback of an error (or set {envs.DEBUG_ENV}=1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="roseray", formatter_class=HelpFormatter,
+        description="roseray: a continuous-batching LLM engine with a paged KV cache, served on Ray Serve. "
+                    "For the multi-replica Ray Serve app use `serve run serve_config.yaml`.")
+    add_debug_arg(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,bench}")
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts, offline",
+                         description="Generate text for one or more prompts with an in-process engine.",
+                         formatter_class=HelpFormatter, usage="%(prog)s --prompt TEXT [--prompt TEXT ...] [options]")
+    group = gen.add_argument_group("sampling")
+    group.add_argument("--prompt", action="append", required=True, metavar="TEXT",
+                       help="a prompt (repeat for a batch)")
+    group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    group.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this "
+                                                                "much probability mass (1 = all)")
+    group.add_argument("--top-k", type=int, default=-1, help="keep only the k most likely tokens (-1 = all)")
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed (default: none)")
+    group.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    add_engine_args(gen)
+    add_debug_arg(gen)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI API from one engine, without Ray",
+                           description="Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, "
+                                       "/health, /ready, /metrics) from one engine, without Ray.",
+                           formatter_class=HelpFormatter, usage="%(prog)s [--model MODEL] [--port PORT] [options]")
+    add_server_args(serve)
+    add_engine_args(serve)
+    add_debug_arg(serve)
+
+    sub.add_parser("bench", help="benchmarks: throughput, stream, kernels, step-overhead (bench --help)",
+                   add_help=False)
     return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[command]
+
+
+def _flag_message(parser: argparse.ArgumentParser, message: str) -> str:
+    """A config's message in the parser's words: `api_processes must ...` -> `--api-processes must ...`."""
+    field, _, rest = message.partition(" ")
+    names = {field, field.removesuffix("_s")}  # ServerConfig's drain_timeout_s is --drain-timeout
+    for action in parser._actions:
+        if action.dest in names and action.option_strings:
+            return f"{action.option_strings[0]} {rest}"
+    return message
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if isinstance(error, (ValueError, RuntimeError, OSError)) else f"{type(error).__name__}: {text}"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
-        from roseray.bench.__main__ import main as bench_main
+        from roseray.bench.__main__ import main as bench_main  # its own parser per benchmark
 
         return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    command_parser = _subparser(parser, args.command)
+    for flag, reason in REMOVED_FLAGS.items():
+        if flag in unknown or any(arg.startswith(flag + "=") for arg in unknown):
+            command_parser.error(f"{flag} is not supported: {reason}")
+    if unknown:  # argparse would print the top-level usage; the subcommand's says more
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    debug = getattr(args, "debug", False) or envs.debug()
+    try:
+        engine_config = engine_config_from_args(args)
+        server_config = server_config_from_args(args) if args.command == "serve" else None
+    except ValueError as error:
+        command_parser.error(_flag_message(command_parser, str(error)))  # exits 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "serve":
-        api_key = args.api_key or os.environ.get("ROSERAY_API_KEY") or None
-        if args.api_processes < 1:
-            build_parser().error("--api-processes must be at least 1")
-        if args.api_processes > 1:
-            return _serve_api_processes(args, api_key)
-        from roseray.openai_api.standalone import run_standalone  # FastAPI/uvicorn only when serving
-
-        run_standalone(engine_config_from_args(args), host=args.host, port=args.port, api_key=api_key,
-                       served_model_name=args.served_model_name, log_prompts=args.log_prompts,
-                       drain_timeout_s=args.drain_timeout, cors_origins=args.cors_origins,
-                       max_body_bytes=args.max_body_bytes)
-        return 0
-    return 2
+    try:
+        if args.command == "generate":
+            return _generate(args, engine_config)
+        return _serve(engine_config, server_config)
+    except KeyboardInterrupt:  # Ctrl-C: while generating, or re-raised by uvicorn once the server drained
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as error:
+        if debug:
+            raise
+        print(f"roseray {args.command}: error: {_one_line(error)} (--debug for the traceback)", file=sys.stderr)
+        return EXIT_RUNTIME_ERROR
 
 
-def _serve_api_processes(args: argparse.Namespace, api_key: str | None) -> int:
-    from roseray.openai_api.api_processes import run_api_processes  # serving only
+def _serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    if config.api_processes > 1:
+        from roseray.openai_api.api_processes import run_api_processes  # serving only
 
-    settings = {"api_key": api_key, "served_model_name": args.served_model_name, "log_prompts": args.log_prompts,
-                "drain_timeout_s": args.drain_timeout, "cors_origins": args.cors_origins,
-                "max_body_bytes": args.max_body_bytes}
-    # the engine lives in its own process whatever --engine-process says
-    config = dataclasses.replace(engine_config_from_args(args), engine_process=True)
-    return run_api_processes(config, args.api_processes, host=args.host, port=args.port, server_settings=settings)
+        # the engine lives in its own process whatever --engine-process says
+        return run_api_processes(dataclasses.replace(engine_config, engine_process=True), config)
+    from roseray.openai_api.standalone import run_standalone  # FastAPI/uvicorn only when serving
+
+    run_standalone(engine_config, config)
+    return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _generate(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     from roseray.llm import LLM  # loads torch and the models: only when generating
     from roseray.sampling_params import SamplingParams
 
-    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    llm = LLM(**dataclasses.asdict(engine_config))
     for prompt, output in zip(args.prompt, llm.generate(args.prompt, params)):
         completion = output.outputs[0]
         print(f"--- prompt: {prompt!r}")

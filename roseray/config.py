@@ -1,8 +1,11 @@
-"""Every knob of roseray in one place: the engine's and the model's configuration.
+"""Every knob of roseray in one place: the engine's, the server's and the model's configuration.
 
-EngineConfig is what a user sets (the engine args of `LLM(...)`, the CLI flags and
-serve_config.yaml all map onto it). ModelConfig is what a checkpoint says about its
-geometry; it is read once by the loader and passed down to the model and the runner.
+EngineConfig is what a user sets for the engine (the engine args of `LLM(...)`, the CLI
+flags and serve_config.yaml's `engine:` all map onto it). ServerConfig is what a user sets
+for the OpenAI server (`roseray serve`'s flags, the Ray app's args); the CLI, the standalone
+server, its API processes and the Ray deployments build it once and pass it down. ModelConfig
+is what a checkpoint says about its geometry; it is read once by the loader and passed down
+to the model and the runner. Environment variables are read in roseray/envs.py, not here.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ _DTYPES = {
     "bf16": torch.bfloat16,
     "half": torch.float16,
     "float": torch.float32,
+}
+
+
+# engine arguments that other engines take and roseray refuses, with the reason
+REMOVED_ENGINE_ARGS = {
+    "trust_remote_code": "roseray runs only its own model code, never a checkpoint's: remove it",
 }
 
 
@@ -51,7 +60,6 @@ class EngineConfig:
     async_scheduling: bool | None = None  # overlap host work with the GPU (default: on for CUDA)
     engine_process: bool | None = None  # serving: the engine loop in its own process (default: on for CUDA)
     revision: str | None = None
-    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
@@ -79,10 +87,14 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
+        """From keyword arguments (`LLM(...)`, serve_config.yaml's `engine:`), with a clear
+        TypeError for a name that is not a field."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
-            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+            reasons = [f"{name} ({REMOVED_ENGINE_ARGS[name]})" if name in REMOVED_ENGINE_ARGS else name
+                       for name in unknown]
+            raise TypeError(f"unknown engine argument(s): {', '.join(reasons)}")
         if model is not None:
             kwargs["model"] = model
         return cls(**kwargs)
@@ -90,6 +102,9 @@ class EngineConfig:
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"device is {self.device!r} but this machine has no usable CUDA device "
+                               "(torch.cuda.is_available() is False): use device cpu or auto")
         return torch.device(self.device)
 
     def resolve_engine_process(self) -> bool:
@@ -106,6 +121,54 @@ class EngineConfig:
         if model_dtype in (torch.float16, torch.bfloat16):
             return model_dtype
         return torch.bfloat16
+
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a max_model_len-sized prompt as token ids is ~1 MB per 128k tokens
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+@dataclass
+class ServerConfig:
+    """The OpenAI server's settings, the same for `roseray serve`, its API processes and the Ray
+    app's engine replicas. What the engine decides (model name, max_model_len, max_logprobs)
+    is not here: the server reads it from the engine."""
+
+    host: str = "127.0.0.1"  # the address to bind: loopback unless told otherwise
+    port: int = 8000  # 0: a free port the kernel picks
+    api_key: str | None = None  # bearer key required on every route but /health and /ready ("" = none)
+    served_model_name: str | None = None  # the model id clients send and /v1/models lists (default: the engine's)
+    log_prompts: bool = False  # log prompt text: user data, off by default
+    log_requests: bool = False  # a log line per finished request (counts and times, no text)
+    drain_timeout_s: float = 30.0  # on shutdown running requests get this long; new ones get 503 meanwhile
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none: CORS closed
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    api_processes: int = 1  # HTTP processes in front of one engine; N > 1 puts the engine in its own process
+    stuck_after_s: float = 60.0  # health checks fail when the engine loop makes no progress this long
+    log_level: str = "info"  # uvicorn's log level
+    enable_docs: bool = True  # the OpenAPI schema at /openapi.json and Swagger UI at /docs
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cors_origins, str):
+            raise ValueError(f"cors_origins must be a list of origins, not one string; got {self.cors_origins!r}")
+        self.cors_origins = tuple(self.cors_origins)  # a list from JSON or YAML
+        if not all(isinstance(origin, str) and origin for origin in self.cors_origins):
+            raise ValueError(f"cors_origins must be non-empty strings; got {list(self.cors_origins)!r}")
+        if not self.host:
+            raise ValueError("host must be an address or a host name; got an empty string")
+        self.api_key = self.api_key or None
+        self.served_model_name = self.served_model_name or None
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535; got {self.port}")
+        if not 0 <= self.drain_timeout_s < float("inf"):
+            raise ValueError(f"drain_timeout_s must be >= 0 seconds; got {self.drain_timeout_s}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be at least 1; got {self.max_body_bytes}")
+        if self.api_processes < 1:
+            raise ValueError(f"api_processes must be at least 1; got {self.api_processes}")
+        if not 0 < self.stuck_after_s < float("inf"):
+            raise ValueError(f"stuck_after_s must be > 0 seconds; got {self.stuck_after_s}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}")
 
 
 @dataclass
@@ -130,7 +193,6 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     o_proj_bias: bool = False  # the attention output projection carries a bias (Llama/Qwen3 attention_bias)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
-    bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: torch.dtype | None = None
     hf_architecture: str = ""  # the name in config.json, for messages

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
-from roseray.engine.request import RequestOutput
+from roseray.engine.outputs import RequestOutput
 from roseray.sampling_params import SamplingParams
 
 PromptType = str | list[int]

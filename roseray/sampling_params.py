@@ -87,6 +87,11 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """An argmax of the raw logits is the whole of this request's sampling, at every step."""
+        return self.is_greedy and not self.needs_penalties and self.logprobs is None and self.min_tokens == 0
+
+    @property
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)

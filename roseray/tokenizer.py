@@ -322,16 +322,14 @@ class HFTokenizer(Tokenizer):
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def load_tokenizer(
-    name: str, model_config: ModelConfig, revision: str | None = None, trust_remote_code: bool = False
-) -> Tokenizer:
+def load_tokenizer(name: str, model_config: ModelConfig, revision: str | None = None) -> Tokenizer:
     """The byte tokenizer for `random:` presets; else the HF tokenizer of a local directory or
-    of a hub id in the local cache (never downloaded)."""
+    of a hub id in the local cache (never downloaded, and never with a checkpoint's own code)."""
     if is_preset(name):
         return ByteTokenizer(model_config.vocab_size, name)
     path: Path = resolve_model_path(name, revision)
     try:
-        hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ValueError(f"could not load a tokenizer from {path}: {exc}") from exc
     fallback_eos = model_config.eos_token_ids[0] if model_config.eos_token_ids else None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5's single-replica sweep on the GPU host: one `roseray serve` engine (Qwen3-0.6B
+# A single-replica request-rate sweep on the GPU host: one `roseray serve` engine (Qwen3-0.6B
 # geometry), Poisson arrivals, prompts 128-4096 tokens, outputs 64-512, at several rates,
 # with chunked prefill (a small token budget) and with chunking effectively off (a budget
 # above the longest prompt). Usage: bash scripts/locust_sweep.sh "RATES" SECONDS BUDGETS

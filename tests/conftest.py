@@ -8,12 +8,43 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
+
+from roseray.config import EngineConfig  # noqa: E402
+
+# ---- a tiny engine and tiny checkpoints -----------------------------------------------------------------------
+# random:tiny on CPU with a small KV cache of short blocks (several blocks per prompt): the engine most tests build
+TINY_ENGINE = {"model": "random:tiny", "device": "cpu", "block_size": 4, "num_kv_blocks": 64, "max_model_len": 256}
+
+
+@pytest.fixture
+def tiny_engine_config():
+    """make(**overrides) -> EngineConfig of TINY_ENGINE with `overrides` on top."""
+    return lambda **overrides: EngineConfig(**{**TINY_ENGINE, **overrides})
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """checkpoint(kind) -> the path of a tiny seeded HF checkpoint of `kind` (tests/models/hf_models.py),
+    built once per session; tests read it and copy it before changing anything."""
+    from tests.models.hf_models import make_tiny_model  # transformers: only for the tests that ask
+
+    built: dict = {}
+
+    def checkpoint(kind: str):
+        if kind not in built:
+            built[kind] = make_tiny_model(kind, tmp_path_factory.mktemp(kind))
+        return built[kind]
+
+    return checkpoint
+
 
 # ---- one local Ray Serve cluster for the whole session ------------------------------------------------------
-# tests/test_hardening_ray.py, test_locust.py and test_serve_e2e.py share it (one ~20 s start
-# instead of three). Serve reads its HAProxy flags when it is imported, so the cluster runs
-# in a subprocess (this file, run as a script) started with roseray.ray_serve.haproxy_env's
-# environment; the test side talks to it over stdin/stdout, one JSON command per line:
+# tests/ray_serve/test_hardening_ray.py, test_serve_e2e.py, test_serve_router_server.py and
+# tests/bench/test_locust.py share it (one start instead of four). Serve reads its HAProxy flags
+# when it is imported, so the cluster runs in a subprocess (this file, run as a script) started
+# with roseray.ray_serve.haproxy_env's environment; the test side talks to it over stdin/stdout,
+# one JSON command per line:
 #   {"op": "engines"}                   (node ip, port) of every engine replica's HTTP port
 #   {"op": "replicas"}                  the Engine replicas as Serve's API lists them
 #   {"op": "kill", "replica": "<id>"}   ray.kill the replica's actor (no restart by Ray core)
@@ -31,8 +62,6 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-
-import pytest  # noqa: E402
 
 RAY_APP = "roseray"
 RAY_STATS_PERIOD_S = 0.25
@@ -124,7 +153,7 @@ class RayServeCluster:
     """The test side of the shared cluster."""
 
     def __init__(self, args: dict | None = None) -> None:
-        """`args`: app args over the shared cluster's (tests/test_serve_api_processes.py)."""
+        """`args`: app args over the shared cluster's (tests/ray_serve/test_serve_api_processes.py)."""
         from roseray.ray_serve.haproxy_env import ROUTER_REPLICAS_ENV, haproxy_env
 
         self.state_dir = tempfile.mkdtemp(prefix="rrh", dir="/tmp")  # short: HAProxy's unix socket paths
@@ -198,6 +227,18 @@ class RayServeCluster:
         self.log.close()
         shutil.rmtree(self.state_dir, ignore_errors=True)
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules that use the shared Ray cluster run last (each whole, in their order): the cluster
+    then starts right before them and stops after them, instead of idling beside the rest of the suite
+    (its processes take CPU even when idle, from the tests and from the other Ray clusters' starts)."""
+    ray_modules = {getattr(item, "module", None) for item in items
+                   if "ray_serve_cluster" in getattr(item, "fixturenames", ())}
+    ray_modules.discard(None)
+    if ray_modules:
+        items[:] = ([item for item in items if getattr(item, "module", None) not in ray_modules]
+                    + [item for item in items if getattr(item, "module", None) in ray_modules])
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""python -m roseray.bench {throughput,stream,kernels,step-overhead} [options]"""
+"""python -m roseray.bench {throughput,stream,serving,kernels,step-overhead} [options]"""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 BENCHMARKS = {
     "throughput": ("roseray.bench.throughput", "offline throughput of LLM.generate (W-nano)"),
     "stream": ("roseray.bench.stream", "streaming decode through the async engine (W-seed)"),
+    "serving": ("roseray.bench.serving", "W-seed through HTTP against the in-process engine, in one run"),
     "kernels": ("roseray.bench.kernels", "Triton KV-append and paged-attention microbenchmarks"),
     "step-overhead": ("roseray.bench.step_overhead", "host time per decode step outside the model forward"),
 }

@@ -206,7 +206,8 @@ def bench_decode(k_cache, v_cache, copy_bw, dtype, device) -> list[Row]:
         rows.append(Row(f"decode attention batch {batch_size} x ctx {ctx}", us, extra))
         if (batch_size, ctx) == (256, 1024):
             hint = median_us(attend(batch, k_cache, v_cache, 40960))
-            rows.append(Row("  same, max_seq_len hint 40960 (graph capture)", hint, bandwidth(batch.kv_bytes, hint, copy_bw)))
+            rows.append(Row("  same, max_seq_len hint 40960 (graph capture)", hint,
+                            bandwidth(batch.kv_bytes, hint, copy_bw)))
             g_us = graph_us(attend(batch, k_cache, v_cache, 40960), repeats=10)
             rows.append(Row("  same, device time in a CUDA graph", g_us, bandwidth(batch.kv_bytes, g_us, copy_bw)))
     return rows
@@ -251,7 +252,8 @@ def bench_prefill(k_cache, v_cache, copy_bw, dtype, device) -> list[Row]:
     for name, seqs in PREFILL_CASES.items():
         batch = make_batch(k_cache, seqs, dtype, device)
         us = median_us(attend(batch, k_cache, v_cache, max(c + q for c, q in seqs)))
-        rows.append(Row(name, us, {"TFLOP/s": batch.flops / (us * 1e-6) / 1e12, **bandwidth(batch.kv_bytes, us, copy_bw)}))
+        tflops = batch.flops / (us * 1e-6) / 1e12
+        rows.append(Row(name, us, {"TFLOP/s": tflops, **bandwidth(batch.kv_bytes, us, copy_bw)}))
     return rows
 
 
@@ -335,8 +337,9 @@ def sweep_prefill_tiles(k_cache, v_cache, copy_bw, empty_us, dtype, device, dead
     scale = QWEN3["head_dim"] ** -0.5
     prefill = make_batch(k_cache, [(3584, 512)] * 8, dtype, device)
     pout = torch.empty_like(prefill.query)
-    for block_m, block_n, num_warps, num_stages in ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2),
-                                                    (128, 64, 8, 3), (128, 32, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2)):
+    shapes = ((64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2),
+              (128, 64, 8, 3), (128, 32, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2))
+    for block_m, block_n, num_warps, num_stages in shapes:
         if time.time() > deadline:
             return rows + [Row("sweep stopped at its deadline", 0.0)]
         cfg = KernelConfig(block_n, num_warps, num_stages, block_m)
@@ -361,8 +364,8 @@ def sweep_kv_append(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline
                 fn = lambda bt=block_t, nw=num_warps: launch_kv_append(qkv[:, 1], qkv[:, 2], k_cache, v_cache,  # noqa: E731
                                                                       slots, bt, nw)
                 graph = num_tokens <= 256  # small steps: device time in a graph (launch cost is the same for all)
-                rows.append(_try(f"sweep kv_append {num_tokens} t{block_t} w{num_warps}" + (" (graph)" if graph else ""),
-                                 fn, lambda us: bandwidth(nbytes, us, copy_bw), graph=graph))
+                name = f"sweep kv_append {num_tokens} t{block_t} w{num_warps}" + (" (graph)" if graph else "")
+                rows.append(_try(name, fn, lambda us: bandwidth(nbytes, us, copy_bw), graph=graph))
     return rows
 
 
@@ -382,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--sweep", nargs="?", const=",".join(SWEEP_PARTS), default="",
-                        help=f"also sweep tile shapes / split counts: comma list of {','.join(SWEEP_PARTS)} (default all)")
+                        help=f"also sweep tile shapes / split counts: comma list of {','.join(SWEEP_PARTS)} "
+                             "(default all)")
     parser.add_argument("--sweep-seconds", type=float, default=150.0, help="stop the sweep after this long")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -416,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
           f"kv_append {TOKENS_PER_PROGRAM} token(s)/program")
     print("\n".join(r.text() for r in rows if not r.name.startswith("sweep")))
     if args.out:
-        payload = {"benchmark": "kernels", "device": torch.cuda.get_device_name(0), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        payload = {"benchmark": "kernels", "device": torch.cuda.get_device_name(0),
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                    "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
                    "dtype": args.dtype, "rows": [{"name": r.name, "us": r.us, **r.extra} for r in rows]}
         with open(args.out, "w") as f:

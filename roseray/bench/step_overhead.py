@@ -41,7 +41,8 @@ def measure(num_seqs: int, steps: int, stream_text: bool, model: str) -> dict:
                           enable_prefix_caching=True, num_kv_blocks=num_seqs * 64)
     engine = LLMEngine(config)
     model_module = engine.runner.model
-    stub = StubForward(engine.model_config.hidden_size, engine.model_config.vocab_size, config.max_num_batched_tokens, num_seqs)
+    stub = StubForward(engine.model_config.hidden_size, engine.model_config.vocab_size,
+                       config.max_num_batched_tokens, num_seqs)
     model_module.forward = stub.forward
     model_module.compute_logits = stub.compute_logits
 

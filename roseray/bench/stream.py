@@ -3,11 +3,7 @@
 All requests are submitted at once to AsyncLLMEngine; every delta is timestamped on
 the asyncio side as a stream reader sees it.
 
-    python -m roseray.bench stream --workload seed --out seed.json [--peer-hf] [--timeline]
-
-`--timeline` also prints where the measured run's first milliseconds went, from its first
-submission: when the adds were sent to the engine process (and how many per message),
-and when the engine loop's first steps returned (with how many token deltas).
+    python -m roseray.bench stream --workload seed --out seed.json [--peer-hf] [--passes 5]
 """
 
 from __future__ import annotations
@@ -19,15 +15,7 @@ import time
 
 import numpy as np
 
-from roseray.bench.common import (
-    engine_cpu_use,
-    engine_time_split,
-    new_runner,
-    percentiles,
-    print_table,
-    resolve_loop,
-    write_result,
-)
+from roseray.bench.common import new_runner, percentiles, print_table, resolve_loop, write_result
 from roseray.bench.workloads import SEED_MODEL, seed_workload
 from roseray.config import EngineConfig
 from roseray.runtime.async_engine import AsyncLLMEngine
@@ -45,49 +33,12 @@ async def _consume(engine: AsyncLLMEngine, request_id: str, prompt, params) -> t
     return submitted, arrivals
 
 
-class Timeline:
-    """Times the engine loop's calls into its engine (wrapped on the instance, bench only)."""
-
-    def __init__(self, engine) -> None:
-        self.started = 0.0
-        self.flushes: list[tuple[float, int]] = []  # (time, adds in the message)
-        self.steps: list[tuple[float, int]] = []  # (time a step call returned, deltas with tokens)
-        # the engine loop's steps: step() in a loop thread; an engine process driven by the event
-        # loop returns its steps from read_outputs()
-        name = "read_outputs" if hasattr(engine, "read_outputs") else "step"
-        step = getattr(engine, name)
-
-        def timed_step():
-            deltas = step()
-            if deltas or self.steps or self.flushes:
-                self.steps.append((time.perf_counter(), sum(1 for d in deltas if d.new_token_ids)))
-            return deltas
-
-        setattr(engine, name, timed_step)
-        flush = getattr(engine, "_flush_adds", None)
-        if flush is not None:  # EngineProcessClient: the adds of a loop iteration go as one message
-            def timed_flush():
-                self.flushes.append((time.perf_counter(), len(engine._adds)))
-                flush()
-
-            engine._flush_adds = timed_flush
-
-    def report(self, first_tokens: list[float]) -> dict:
-        ms = lambda t: round((t - self.started) * 1e3, 3)  # noqa: E731
-        return {"adds_sent_ms": [(ms(t), n) for t, n in self.flushes[:8]],
-                "steps_returned_ms": [(ms(t), n) for t, n in self.steps[:6]],
-                "first_token_ms": {k: round(v, 3) for k, v in
-                                   percentiles([(t - self.started) * 1e3 for t in first_tokens], (0, 50, 100)).items()}}
-
-
 async def _start(engine: AsyncLLMEngine) -> None:
     engine.start()  # on the running loop: an engine process is driven by it
 
 
-async def _run(engine: AsyncLLMEngine, prompts, params, timeline: Timeline | None = None, tag: str = "seed") -> dict:
+async def _run(engine: AsyncLLMEngine, prompts, params, tag: str = "seed") -> dict:
     started = time.perf_counter()
-    if timeline is not None:
-        timeline.started = started
     results = await asyncio.gather(*[_consume(engine, f"{tag}-{i}", p, s)
                                      for i, (p, s) in enumerate(zip(prompts, params))])
     ttft, tpot, itl = [], [], []
@@ -105,24 +56,23 @@ async def _run(engine: AsyncLLMEngine, prompts, params, timeline: Timeline | Non
             tpot.append((times[-1] - times[0]) / (n - 1))
         itl.extend(np.diff(times).tolist())
     wall = last - started
-    extra = {"timeline": timeline.report([r[1][0][0] for r in results])} if timeline is not None else {}
     ms = lambda xs: {k: v * 1e3 for k, v in percentiles(xs).items()}  # noqa: E731
     return {"completion_tokens": total_tokens, "wall_s": wall, "throughput_tok_s": total_tokens / wall,
-            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl), "chunks_with_several_tokens": multi_token_chunks,
-            **extra}
+            "ttft_ms": ms(ttft), "tpot_ms": ms(tpot), "itl_ms": ms(itl),
+            "chunks_with_several_tokens": multi_token_chunks}
 
 
 def median_pass(passes: list[dict]) -> dict:
     """The pass of median throughput (the upper one of an even count), with every pass's
-    throughput beside it: a W-seed burst lasts ~0.1 s on a GPU, so one pass is noisy."""
+    throughput beside it: a W-seed burst is short, so one pass is noisy."""
     chosen = sorted(passes, key=lambda r: r["throughput_tok_s"])[len(passes) // 2]
     return {**chosen, "passes_tok_s": [r["throughput_tok_s"] for r in passes]}
 
 
 class SeedEngine:
     """One engine for W-seed bursts, warmed on start: `burst()` runs the workload once and
-    returns its figures (with the engine process's CPU use). Kept open, it lets a caller put
-    other measurements between its bursts (`scripts/http_vs_inprocess.py --interleave`)."""
+    returns its figures. Kept open, it lets a caller put other measurements between its
+    bursts (the serving comparison's pairs, roseray.bench.serving)."""
 
     def __init__(self, model: str, num_requests: int, engine_args: dict, loop: str = "auto",
                  max_tokens: int = 128) -> None:
@@ -131,9 +81,6 @@ class SeedEngine:
         self.config = EngineConfig(model=model, max_num_seqs=num_requests, enable_prefix_caching=False,
                                    **engine_args)
         self.engine = AsyncLLMEngine.from_engine_config(self.config)
-        self._message_delays = [0.0, 0]  # an engine process's step messages: seconds read late, count
-        if hasattr(self.engine.engine, "on_message_delay"):
-            self.engine.engine.on_message_delay = self._on_message_delay
         # one event loop for every burst: the engine is started on it (an engine process is then
         # driven by that loop, as in a server) and stays bound to it
         self._runner = new_runner(loop)
@@ -143,30 +90,13 @@ class SeedEngine:
         except BaseException:
             self.close()
             raise
-        # the engine process, if any: its CPU use is recorded per burst
-        self.engine_pid = getattr(getattr(self.engine.engine, "_process", None), "pid", None)
         self.bursts = 0
 
-    def burst(self, timeline: bool = False) -> dict:
-        before, delays_before = self._engine_time(), list(self._message_delays)
+    def burst(self) -> dict:
         started = time.time()
-        with engine_cpu_use(self.engine_pid) as cpu:
-            run = self._runner.run(_run(self.engine, self.prompts, self.params,
-                                        Timeline(self.engine.engine) if timeline else None, tag=f"seed{self.bursts}"))
+        run = self._runner.run(_run(self.engine, self.prompts, self.params, tag=f"seed{self.bursts}"))
         self.bursts += 1
-        seconds, count = (now - then for now, then in zip(self._message_delays, delays_before))
-        if count:  # as the server's engine_message_delay_seconds, for the same engine without HTTP
-            run["message_delay_mean_ms"] = seconds / count * 1e3
-        return {**run, **cpu, **engine_time_split(before, self._engine_time()), "started_unix": started,
-                "ended_unix": time.time()}
-
-    def _on_message_delay(self, seconds: float) -> None:
-        self._message_delays[0] += seconds
-        self._message_delays[1] += 1
-
-    def _engine_time(self) -> tuple[float, float, float]:
-        s = self.engine.engine.get_stats()
-        return s.engine_steps_total, s.step_seconds_total, s.output_seconds_total
+        return {**run, "started_unix": started, "ended_unix": time.time()}
 
     def describe(self) -> dict:
         return {"workload": "W-seed", "model": self.model, "num_requests": self.num_requests,
@@ -174,10 +104,10 @@ class SeedEngine:
                 "event_loop": resolve_loop(self.loop)}
 
     def close(self) -> None:
-        self.engine.stop()
-        if self.engine._thread is not None:
-            self.engine._thread.join(10.0)
-        self._runner.close()
+        try:
+            self._runner.run(self.engine.shutdown())
+        finally:
+            self._runner.close()
 
     def __enter__(self) -> SeedEngine:
         return self
@@ -186,15 +116,11 @@ class SeedEngine:
         self.close()
 
 
-def run_seed(model: str, num_requests: int, engine_args: dict, timeline: bool = False, loop: str = "auto",
-             passes: int = 1, max_tokens: int = 128) -> dict:
+def run_seed(model: str, num_requests: int, engine_args: dict, loop: str = "auto", passes: int = 1,
+             max_tokens: int = 128) -> dict:
     """W-seed on one engine: a warm-up, then `passes` bursts; the median pass is reported."""
     with SeedEngine(model, num_requests, engine_args, loop, max_tokens) as seed:
-        runs = [seed.burst(timeline and index == 0) for index in range(passes)]
-        result = median_pass(runs)
-        if timeline:  # the first pass's, whichever is the median
-            result["timeline"] = runs[0]["timeline"]
-        return {**seed.describe(), **result}
+        return {**seed.describe(), **median_pass([seed.burst() for _ in range(passes)])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,8 +138,6 @@ def main(argv: list[str] | None = None) -> int:
                              "engine thread waits for it (Python's default is 0.005)")
     parser.add_argument("--peer-hf", action="store_true",
                         help="also run transformers' continuous batching on the same workload (GPU)")
-    parser.add_argument("--timeline", action="store_true",
-                        help="also report when the adds reached the engine process and the first steps returned")
     parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                         help="the event loop the streams are read on (auto: uvloop when installed, as uvicorn)")
     parser.add_argument("--passes", type=int, default=1,
@@ -223,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     result = run_seed(args.model, args.num_requests, {"enforce_eager": args.enforce_eager, "device": args.device,
-                                                       "engine_process": args.engine_process}, args.timeline,
+                                                       "engine_process": args.engine_process},
                       args.loop, args.passes)
     result["switch_interval_s"] = sys.getswitchinterval()
     rows = [("engine loop", ("own process" if result["engine_process"] else "thread of this process")
@@ -235,11 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
         v = result[metric]
         rows.append((metric.replace("_ms", ""), f"p50 {v['p50']:.3f}  p95 {v['p95']:.3f}  p99 {v['p99']:.3f} ms"))
-    if "timeline" in result:
-        t = result["timeline"]
-        rows.append(("adds sent (ms, count)", str(t["adds_sent_ms"])))
-        rows.append(("steps returned (ms, token deltas)", str(t["steps_returned_ms"])))
-        rows.append(("first tokens (ms)", str(t["first_token_ms"])))
     if args.peer_hf:
         from roseray.bench.peer_hf import run_hf_seed  # the peer needs CUDA and transformers' CB
 

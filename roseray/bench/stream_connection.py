@@ -2,14 +2,14 @@
 already encoded as bytes and stamps each SSE event of the streamed answer when its end
 arrives.
 
-Why not an HTTP client library: the issue-4 measurement puts a burst of 128 streams on the
-wire from 4 client processes and compares the burst's tok/s (first send to last token)
-with an in-process engine that is handed all 128 requests within a millisecond. Through
-aiohttp each request costs ~150 us of the client's CPU before its bytes leave, so a process's
-32 requests go out over ~5 ms: a spread that real clients, each on its own machine, do not
-have, counted against the server. Here a request is one `transport.write` of prebuilt bytes.
-Reading is as lean: each read's bytes are de-chunked and split into whole events, and only
-the usage event is parsed as JSON.
+Why not an HTTP client library: the serving comparison (roseray.bench.serving) puts a burst
+of streams on the wire from a few client processes and compares the burst's tok/s (first
+send to last token) with an in-process engine that is handed all its requests at once. A
+client library spends enough CPU per request before its bytes leave that a process's share
+of a burst goes out spread over milliseconds: a spread that real clients, each on its own
+machine, do not have, counted against the server. Here a request is one `transport.write`
+of prebuilt bytes. Reading is as lean: each read's bytes are de-chunked and split into
+whole events, and only the usage event is parsed as JSON.
 
 What it speaks: a request per connection at a time (no pipelining); answers framed by
 `Transfer-Encoding: chunked` (a stream) or `Content-Length` (an error or a plain answer);

@@ -8,7 +8,9 @@ one preallocated int32 array `[max_num_seqs, max_blocks_per_seq]`, one row per r
 whose memory is shared with a (pinned, when CUDA is present) torch tensor.
 
 A full block's hash chains its parent's hash and its own token ids, so equal hashes
-mean equal prefixes. Only full blocks are shared: a shared block is never written.
+mean equal prefixes. Only full blocks are shared: a shared block is never written. Each
+live request's block hashes are kept here by request id (they outlive a preemption: the
+tokens stay the same) until the request finishes (`release`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack, pops low ids first
         self._evictable: dict[int, None] = {}  # free but cached blocks, least recently freed first
+        self._request_hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks, in order
 
         pin = torch.cuda.is_available()
         # [max_num_seqs, max_blocks_per_seq]; the numpy view shares the tensor's memory.
@@ -74,13 +77,13 @@ class BlockManager:
         for its first `num_new_tokens` uncached tokens. Returns False (changing nothing)
         when the free blocks do not suffice. Sets `req.num_computed_tokens` to the hit length.
         """
+        if self.blocks_needed(req.num_tokens) > self.max_blocks_per_seq:
+            raise ValueError(f"{req.request_id} has {req.num_tokens} tokens, more than a block table holds "
+                             f"({self.max_blocks_per_seq} blocks of {self.block_size})")
         hit_blocks = self._match_prefix(req)
         num_hit_tokens = len(hit_blocks) * self.block_size
         num_new_tokens = min(num_new_tokens, req.num_tokens - num_hit_tokens)
         needed = self.blocks_needed(num_hit_tokens + num_new_tokens) - len(hit_blocks)
-        if self.blocks_needed(req.num_tokens) > self.max_blocks_per_seq:
-            raise ValueError(f"{req.request_id} has {req.num_tokens} tokens, more than a block table holds "
-                             f"({self.max_blocks_per_seq} blocks of {self.block_size})")
         reclaimed = sum(1 for b in hit_blocks if self.ref_counts[b] == 0)  # hits that sit in the free pool
         if needed > self.num_free_blocks - reclaimed or not self._free_rows:
             return False
@@ -133,17 +136,31 @@ class BlockManager:
         req.num_blocks = 0
         req.num_committed_blocks = 0
 
+    def release(self, req: Request) -> None:
+        """The request is finished: free its blocks and forget its block hashes."""
+        self.free(req)
+        self._request_hashes.pop(req.request_id, None)
+
+    def request_hashes(self, req: Request) -> list[int]:
+        """The hashes of the request's full blocks computed so far, in order."""
+        hashes = self._request_hashes.get(req.request_id)
+        if hashes is None:
+            hashes = self._request_hashes[req.request_id] = []
+        return hashes
+
     def commit_full_blocks(self, req: Request, num_known_tokens: int | None = None) -> None:
         """Hash the blocks that are full of computed tokens and publish them in the prefix
         cache; `num_known_tokens` caps them to the tokens whose ids the host knows."""
-        num_full = req.num_computed_tokens if num_known_tokens is None else min(req.num_computed_tokens, num_known_tokens)
+        num_full = req.num_computed_tokens
+        if num_known_tokens is not None:
+            num_full = min(num_full, num_known_tokens)
         num_full //= self.block_size
         if not self.enable_prefix_caching or num_full <= req.num_committed_blocks or req.row < 0:
             return
-        self._extend_hashes(req, num_full)
+        hashes = self._extend_hashes(req, num_full)
         row = self.block_tables[req.row]
         for i in range(req.num_committed_blocks, num_full):
-            block, block_hash = int(row[i]), req.block_hashes[i]
+            block, block_hash = int(row[i]), hashes[i]
             if not self.is_cached[block] and block_hash not in self._hash_to_block:
                 self.is_cached[block] = True
                 self.block_hashes[block] = block_hash
@@ -157,21 +174,23 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
-        self._extend_hashes(req, max_blocks)
+        hashes = self._extend_hashes(req, max_blocks)
         hits = []
-        for block_hash in req.block_hashes[:max_blocks]:
+        for block_hash in hashes[:max_blocks]:
             block = self._hash_to_block.get(block_hash)
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def _extend_hashes(self, req: Request, num_blocks: int) -> None:
-        hashes, size, tokens = req.block_hashes, self.block_size, req.token_ids
+    def _extend_hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """The request's block hashes, extended to at least `num_blocks` full blocks."""
+        hashes, size, tokens = self.request_hashes(req), self.block_size, req.token_ids
         parent = hashes[-1] if hashes else _ROOT_HASH
         for i in range(len(hashes), num_blocks):
             parent = hash_block(parent, tokens[i * size : (i + 1) * size])
             hashes.append(parent)
+        return hashes
 
     def _grow(self, req: Request, count: int) -> None:
         row = self.block_tables[req.row]
@@ -211,3 +230,5 @@ class BlockManager:
         assert cached == set(self._hash_to_block.values()), "hash map disagrees with cached blocks"
         assert all(self.block_hashes[b] == h for h, b in self._hash_to_block.items()), "stale hash"
         assert len(self._free_rows) + len(rows) == self.block_tables.shape[0], "block-table rows leaked"
+        live_ids = {req.request_id for req in live_requests}
+        assert set(self._request_hashes) <= live_ids, "block hashes kept for a finished request"

@@ -1,7 +1,7 @@
 """LLMEngine: schedule -> run -> sample -> update, one step at a time.
 
-Not thread-safe: one thread owns an engine (the caller of `step`, or the background
-loop of AsyncLLMEngine).
+Not thread-safe: one thread owns an engine (the caller of `step`: LLM, the engine
+process's loop, or the in-process engine client's thread).
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import torch
 from roseray.config import EngineConfig
 from roseray.engine.block_manager import BlockManager
 from roseray.engine.detokenizer import find_stop_string, make_detokenizer, prepare_detokenization
+from roseray.engine.limits import RequestLimits
 from roseray.engine.model_runner import ModelRunner
-from roseray.engine.request import FINISH_REASONS, PLACEHOLDER, Request, RequestDelta, RequestLimits, RequestStatus
+from roseray.engine.outputs import EngineStats, RequestDelta
+from roseray.engine.request import FINISH_REASONS, PLACEHOLDER, Request, RequestStatus
 from roseray.engine.sampler import PendingSample, Sampler
 from roseray.engine.scheduler import Scheduler, SchedulerOutput
 from roseray.models.loader import load_model, load_model_config
@@ -24,11 +26,6 @@ from roseray.sampling_params import SamplingParams
 from roseray.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def _is_plain_greedy(params: SamplingParams) -> bool:
-    """An argmax of the raw logits is the whole of this request's sampling."""
-    return params.is_greedy and not params.needs_penalties and params.logprobs is None and params.min_tokens == 0
 
 
 @dataclass(slots=True)
@@ -39,25 +36,6 @@ class InFlightStep:
     sampling: list[Request]  # requests that sample a token, in row order
     output_index: list[int]  # where each sampled token goes in its request's output
     sample: PendingSample
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage: float
-    prefix_cache_hits: int
-    prefix_cache_queries: int
-    num_preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    # where the engine's time goes: its steps, and handing their outputs to the server (only an
-    # engine process does that part; in-thread engines leave it 0)
-    engine_steps_total: int = 0
-    step_seconds_total: float = 0.0
-    output_seconds_total: float = 0.0
 
 
 class LLMEngine:
@@ -98,7 +76,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.engine_steps_total = 0
         self.step_seconds_total = 0.0  # inside step()
-        self.output_seconds_total = 0.0  # added by whoever sends the deltas on (the engine process)
+        self.output_seconds_total = 0.0  # added by whoever sends the deltas on (the engine process's loop)
         self._log_startup(time.perf_counter() - started)
 
     def _resolve_max_model_len(self) -> int:
@@ -114,11 +92,10 @@ class LLMEngine:
         capacity = self.runner.num_blocks * self.config.block_size
         gib = self.runner.num_blocks * self.runner.bytes_per_block / 2**30
         mc = self.model_config
-        logger.info("model %s (%s, %d layers, hidden %d, vocab %d) as %s on %s, attention backend %s, loaded in %.1f s; "
-                    "detokenizing %s", self.model_name, mc.hf_architecture or mc.architecture, mc.num_hidden_layers,
-                    mc.hidden_size, mc.vocab_size, str(self.dtype).removeprefix("torch."), self.device,
-                    self.runner.backend.name, seconds,
-                    self.detokenization)
+        logger.info("model %s (%s, %d layers, hidden %d, vocab %d) as %s on %s, attention backend %s, "
+                    "loaded in %.1f s; detokenizing %s", self.model_name, mc.hf_architecture or mc.architecture,
+                    mc.num_hidden_layers, mc.hidden_size, mc.vocab_size, str(self.dtype).removeprefix("torch."),
+                    self.device, self.runner.backend.name, seconds, self.detokenization)
         logger.info("KV cache: %d blocks x %d = %d tokens (%.2f GiB); max concurrency at max_model_len %d: %.2fx; "
                     "max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s, CUDA graphs %s",
                     self.runner.num_blocks, self.config.block_size, capacity, gib, self.max_model_len,
@@ -150,7 +127,7 @@ class LLMEngine:
         self.scheduler.add(req)
         if sampling_params.needs_penalties:
             self._num_penalty_requests += 1
-        if not _is_plain_greedy(sampling_params):
+        if not sampling_params.is_plain_greedy:
             self._num_not_plain_greedy += 1
         self.prompt_tokens_total += len(token_ids)
         return req
@@ -284,7 +261,8 @@ class LLMEngine:
         self.generation_tokens_total += len(deltas)
         if caching:
             for req in step.chunks:  # prefill chunks that sampled nothing
-                if req.status == RequestStatus.RUNNING and req.num_computed_tokens // block_size > req.num_committed_blocks:
+                if req.status == RequestStatus.RUNNING \
+                        and req.num_computed_tokens // block_size > req.num_committed_blocks:
                     commit(req, len(req.token_ids) - req.num_pending)
         if finished:
             self.scheduler.finish_many(finished, statuses)
@@ -325,8 +303,10 @@ class LLMEngine:
             req.num_pending = 0
         if req.sampling_params.needs_penalties:
             self._num_penalty_requests -= 1
-        if not _is_plain_greedy(req.sampling_params):
+        if not req.sampling_params.is_plain_greedy:
             self._num_not_plain_greedy -= 1
+        if req.sampling_params.seed is not None:
+            self.sampler.release(req)
         req.finish_reason = FINISH_REASONS[status]
         req.finished_time = time.monotonic()
 
@@ -353,8 +333,8 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits, prefix_cache_queries=bm.prefix_cache_queries,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            engine_steps_total=self.engine_steps_total, step_seconds_total=self.step_seconds_total,
-            output_seconds_total=self.output_seconds_total)
+            engine_steps_total=self.engine_steps_total, engine_step_seconds_total=self.step_seconds_total,
+            engine_output_seconds_total=self.output_seconds_total)
 
     def check_integrity(self) -> None:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
@@ -362,4 +342,5 @@ class LLMEngine:
         assert {r.request_id for r in live} == set(self.requests), "request table disagrees with the scheduler"
         params = [r.sampling_params for r in self.requests.values()]
         assert self._num_penalty_requests == sum(p.needs_penalties for p in params), "penalty count drifted"
-        assert self._num_not_plain_greedy == sum(not _is_plain_greedy(p) for p in params), "sampling count drifted"
+        assert self._num_not_plain_greedy == sum(not p.is_plain_greedy for p in params), "sampling count drifted"
+        assert self.sampler.seeded_request_ids() <= set(self.requests), "a finished request's generator is kept"

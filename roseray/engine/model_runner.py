@@ -209,8 +209,7 @@ class ModelRunner:
         # What a step runs outside the graphs, at every decode batch size: the lm_head GEMM and
         # argmax, and the in-flight fill. Their kernels depend on the size (cuBLAS picks by rows,
         # index_select has small- and large-index kernels) and CUDA loads a kernel's module at
-        # its first launch: on the H100 that cost 9.6 ms in a first prefill step and 11.5 ms in
-        # the first decode step at batch 128, inside requests (W-seed's TTFT).
+        # its first launch, which would otherwise land inside the first requests' TTFT.
         n, d = self.max_num_seqs, self.device
         rows = torch.zeros((n, self.model_config.hidden_size), dtype=self.dtype, device=d)
         ids, tokens = torch.zeros(n, dtype=torch.int32, device=d), torch.zeros(n, dtype=torch.int64, device=d)

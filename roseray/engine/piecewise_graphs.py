@@ -2,7 +2,7 @@
 
 A decode-only step replays one CUDA graph of the whole forward. A step with a prefill
 chunk cannot: its attention grid depends on the step's query lengths. Run eagerly, such
-a step costs ~8-10 ms of Python and kernel launches for 28 layers whatever its size, and
+a step pays Python and kernel-launch overhead for every layer whatever its size, and
 every running stream waits for it (the ITL tail under load). Here the forward of a
 token bucket is captured as `num_layers + 1` graphs split at attention: each graph runs
 everything between two attentions (norms, projections, RoPE, KV append, MLP), and

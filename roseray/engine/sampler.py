@@ -23,28 +23,32 @@ exact, so the index is the same), every other stage works on an fp32 copy.
 
 Every per-request parameter becomes one tensor per call, built from a Python list and
 copied host->device without blocking; the only device->host copy is the final `.tolist()`.
-A seeded request draws its row's noise from its own generator (`request.generator`), so
-its tokens do not depend on the batch it is in; unseeded rows share the sampler's.
+A seeded request draws its row's noise from its own generator (kept here by request id
+until `release`), so its tokens do not depend on the batch it is in; unseeded rows share
+the sampler's. The stages that change the logits live in logits_processors.py.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from roseray.engine.logits_processors import (
+    PromptTokenCache,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    mask_min_tokens,
+    to_device,
+)
 from roseray.engine.request import Request
 from roseray.layers import fused
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (dividing by them overflows)
 SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64)
-# Batches of at least this many logits (rows x vocab) take the fused path by default. Measured on
-# an H100 (scripts/bench_fused_ops.py, 2026-11-21), whole sampler calls at temperature 0.6:
-# 256 x 151936: 1165 us -> 495 us fused; 32 x 151936: 242 us -> 390 us fused. The fused path
-# pays ~250 us more host time per call (not yet pinned down; the kernels themselves take 79 and
-# 18 us against 870 and 133 us of torch ops), so small batches stay on the torch ops.
+# Batches of at least this many logits (rows x vocab) take the fused path by default: below it the
+# fused path's extra host time per call outweighs what its kernels save (BENCHMARKS.md)
 FUSED_MIN_ELEMENTS = 2**24
 
 
@@ -105,8 +109,10 @@ class BatchParams:
         return all(self.is_greedy)
 
     @property
-    def is_plain_greedy(self) -> bool:
-        """Argmax of the raw logits is the whole answer."""
+    def argmax_is_enough(self) -> bool:
+        """Argmax of the raw logits is this step's whole answer: every row greedy, none
+        penalised, asking for logprobs, or still below its min_tokens (the per-step form of
+        SamplingParams.is_plain_greedy: a row past its min_tokens counts too)."""
         return (self.all_greedy and not self.penalty_rows and not self.min_tokens_rows
                 and not self.logprob_rows)
 
@@ -123,12 +129,13 @@ class Sampler:
         self.seed = seed
         self.fused = fused
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._request_generators: dict[str, torch.Generator] = {}  # seeded requests' own, by request id
         self._prompt_cache = PromptTokenCache()
 
     def warm_up(self, logits: torch.Tensor) -> None:
         """Compile the fused sampling kernels for every variant that batches of up to
         `logits.shape[0]` rows of logits like these (dtype, row stride) launch: Triton compiles at
-        the first launch, which on a fresh machine cost the first W-nano run ~0.7 s."""
+        the first launch, which would otherwise stall the first steps that sample this way."""
         if not (logits.is_cuda and fused.HAVE_TRITON and self.fused is not False and logits.stride(1) == 1):
             return
         seed = torch.zeros(1, dtype=torch.int64, device=logits.device)
@@ -152,7 +159,7 @@ class Sampler:
             token_ids = logits.argmax(dim=-1) if argmax is None else argmax
             return PendingSample(token_ids, token_ids, None, None)
         params = BatchParams.from_requests(requests, logits.shape[1])
-        if params.is_plain_greedy:
+        if params.argmax_is_enough:
             token_ids = logits.argmax(dim=-1) if argmax is None else argmax
             return PendingSample(token_ids, token_ids, None, params)
         if self._uses_fused(logits) and any(params.plain):
@@ -190,12 +197,12 @@ class Sampler:
                         for greedy, plain, t in zip(params.is_greedy, params.plain, params.temperatures)]
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device,
                              generator=self._shared_generator(device))
-        token_ids = fused.gumbel_max_sample(logits, _to_device(temperatures, torch.float32, device), seed)
+        token_ids = fused.gumbel_max_sample(logits, to_device(temperatures, torch.float32, device), seed)
         other_rows = [row for row, plain in enumerate(params.plain) if not plain]
         if not other_rows:
             return token_ids, None
         other_requests = [requests[row] for row in other_rows]
-        row_index = _to_device(other_rows, torch.int64, device)
+        row_index = to_device(other_rows, torch.int64, device)
         other_params = BatchParams.from_requests(other_requests, logits.shape[1])
         other_token_ids, raw_logprobs = self._sample_full(logits.index_select(0, row_index), other_requests,
                                                           other_params)
@@ -208,19 +215,19 @@ class Sampler:
             return logits.argmax(dim=-1)
         device = logits.device
         greedy_token_ids = logits.argmax(dim=-1) if any(params.is_greedy) else None
-        logits.div_(_to_device(params.temperatures, torch.float32, device).unsqueeze(1))
-        top_ks = _to_device(params.top_ks, torch.int64, device) if _uses_top_k(params, logits.shape[1]) else None
-        top_ps = _to_device(params.top_ps, torch.float32, device) if _uses_top_p(params) else None
+        logits.div_(to_device(params.temperatures, torch.float32, device).unsqueeze(1))
+        top_ks = to_device(params.top_ks, torch.int64, device) if _uses_top_k(params, logits.shape[1]) else None
+        top_ps = to_device(params.top_ps, torch.float32, device) if _uses_top_p(params) else None
         if top_ks is not None or top_ps is not None:
             apply_top_k_top_p(logits, top_ks, top_ps, num_candidates=max(params.top_ks))
         probs = logits.softmax(dim=-1)  # [B, V]
         if any(min_p > 0.0 for min_p in params.min_ps):
-            apply_min_p(probs, _to_device(params.min_ps, torch.float32, device))
+            apply_min_p(probs, to_device(params.min_ps, torch.float32, device))
         noise = self._exponential_noise(probs, requests, params)
         sampled_token_ids = probs.div_(noise).argmax(dim=-1)
         if greedy_token_ids is None:
             return sampled_token_ids
-        is_greedy = _to_device(params.is_greedy, torch.bool, device)
+        is_greedy = to_device(params.is_greedy, torch.bool, device)
         return torch.where(is_greedy, greedy_token_ids, sampled_token_ids)
 
     def _exponential_noise(self, probs: torch.Tensor, requests: list[Request], params: BatchParams) -> torch.Tensor:
@@ -232,9 +239,26 @@ class Sampler:
         else:
             noise.fill_(1.0)
         for row in params.seeded_rows:
-            noise[row].exponential_(generator=request_generator(requests[row], probs.device))
+            noise[row].exponential_(generator=self._request_generator(requests[row], probs.device))
         # A zero draw would turn an excluded token's 0 probability into 0/0 = NaN, which argmax picks.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _request_generator(self, request: Request, device: torch.device) -> torch.Generator:
+        """The request's own generator, made on first use from sampling_params.seed."""
+        generator = self._request_generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(request.sampling_params.seed % SEED_MODULUS)
+            self._request_generators[request.request_id] = generator
+        return generator
+
+    def release(self, request: Request) -> None:
+        """The request is finished: forget its generator (its id may come again)."""
+        self._request_generators.pop(request.request_id, None)
+
+    def seeded_request_ids(self) -> set[str]:
+        """The requests whose generators are kept (for the engine's integrity check)."""
+        return set(self._request_generators)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -248,132 +272,6 @@ class Sampler:
         return generator
 
 
-def request_generator(request: Request, device: torch.device) -> torch.Generator:
-    """The request's own generator, made on first use from sampling_params.seed."""
-    if request.generator is None:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(request.sampling_params.seed % SEED_MODULUS)
-        request.generator = generator
-    return request.generator
-
-
-class PromptTokenCache:
-    """Each penalised request's prompt token ids on the device, copied once, not every step.
-
-    Only the requests of the latest call stay cached; one that comes back later is copied again.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[Request, torch.Tensor]] = {}
-
-    def flat_prompt_ids(self, requests: list[Request], device: torch.device) -> torch.Tensor:
-        """The requests' prompt ids, concatenated: [sum of prompt lengths] int64."""
-        entries: dict[str, tuple[Request, torch.Tensor]] = {}
-        for req in requests:
-            entry = self._entries.get(req.request_id)
-            if entry is None or entry[0] is not req:
-                entry = (req, _array_to_device(np.asarray(req.prompt_token_ids, dtype=np.int64), device))
-            entries[req.request_id] = entry
-        self._entries = entries
-        return torch.cat([entries[req.request_id][1] for req in requests])
-
-
-def apply_penalties(logits: torch.Tensor, requests: list[Request], rows: list[int],
-                    prompt_cache: PromptTokenCache | None = None) -> None:
-    """Repetition (prompt + output, HF semantics), then frequency and presence (output, OpenAI)."""
-    device, vocab_size = logits.device, logits.shape[1]
-    row_index = _to_device(rows, torch.int64, device)
-    penalised = logits.index_select(0, row_index)  # [P, V]
-    output_ids = [r.output_token_ids for r in requests]
-    output_counts = token_counts(_flat_ids(output_ids, device), [len(ids) for ids in output_ids], vocab_size)
-    repetition = [r.sampling_params.repetition_penalty for r in requests]
-    if any(value != 1.0 for value in repetition):
-        prompt_lengths = [len(r.prompt_token_ids) if rp != 1.0 else 0 for r, rp in zip(requests, repetition)]
-        repeating = [r for r, rp in zip(requests, repetition) if rp != 1.0]
-        prompt_ids = (prompt_cache or PromptTokenCache()).flat_prompt_ids(repeating, device)
-        seen = (token_counts(prompt_ids, prompt_lengths, vocab_size) + output_counts) > 0
-        repetition_t = _to_device(repetition, torch.float32, device).unsqueeze(1)
-        scaled = torch.where(penalised > 0, penalised / repetition_t, penalised * repetition_t)
-        penalised = torch.where(seen, scaled, penalised)
-    frequency = _to_device([r.sampling_params.frequency_penalty for r in requests], torch.float32, device)
-    presence = _to_device([r.sampling_params.presence_penalty for r in requests], torch.float32, device)
-    penalised -= frequency.unsqueeze(1) * output_counts + presence.unsqueeze(1) * (output_counts > 0)
-    logits.index_copy_(0, row_index, penalised)
-
-
-def token_counts(flat_token_ids: torch.Tensor, lengths: list[int], vocab_size: int) -> torch.Tensor:
-    """Occurrences of each token id per row: [len(lengths), vocab_size] float32.
-
-    `flat_token_ids` holds the rows' ids one row after another, lengths[i] of them for row i.
-    """
-    device, num_rows, num_tokens = flat_token_ids.device, len(lengths), flat_token_ids.numel()
-    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
-    if num_tokens:
-        row_ids = torch.repeat_interleave(torch.arange(num_rows, device=device),
-                                          _to_device(lengths, torch.int64, device), output_size=num_tokens)
-        in_vocab = (flat_token_ids >= 0) & (flat_token_ids < vocab_size)  # ids beyond the logits count nowhere
-        flat_index = row_ids * vocab_size + flat_token_ids.clamp(0, vocab_size - 1)
-        counts.scatter_add_(0, flat_index, in_vocab.to(torch.float32))
-    return counts.view(num_rows, vocab_size)
-
-
-def _flat_ids(token_id_lists: list[list[int]], device: torch.device) -> torch.Tensor:
-    num_tokens = sum(len(ids) for ids in token_id_lists)
-    flat = np.fromiter(itertools.chain.from_iterable(token_id_lists), dtype=np.int64, count=num_tokens)
-    return _array_to_device(flat, device)
-
-
-def mask_min_tokens(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
-    """Rows still below min_tokens may not end: their EOS and stop token ids get -inf."""
-    vocab_size = logits.shape[1]
-    masked_rows: list[int] = []
-    masked_token_ids: list[int] = []
-    for row, req in zip(rows, requests):
-        blocked = [t for t in req.eos_token_ids | req.stop_token_ids if t < vocab_size]
-        masked_rows.extend([row] * len(blocked))
-        masked_token_ids.extend(blocked)
-    if masked_token_ids:
-        index = (_to_device(masked_rows, torch.int64, logits.device),
-                 _to_device(masked_token_ids, torch.int64, logits.device))
-        blocked_logits = torch.full((len(masked_token_ids),), float("-inf"), device=logits.device)
-        logits.index_put_(index, blocked_logits)
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None,
-                      num_candidates: int) -> None:
-    """Top-k, then nucleus (top-p) on what is left, in place, as value cutoffs per row.
-
-    Top-p keeps the smallest run of most likely tokens whose probability reaches top_p
-    (always the top token). Both filters mask by value (`logit < cutoff`), so ties with a
-    cutoff are kept and the result does not depend on how a sort orders equal values.
-    Only the `num_candidates` largest logits per row are sorted: that is every row's top-k
-    when all rows have one (vocab size otherwise).
-    """
-    if num_candidates < logits.shape[1]:
-        candidates = logits.topk(num_candidates, dim=-1).values  # [B, C], descending
-    else:
-        candidates = logits.sort(dim=-1, descending=True).values  # [B, V]
-    if top_ks is not None:
-        kth_value = candidates.gather(1, (top_ks - 1).unsqueeze(1))  # [B, 1]
-        logits.masked_fill_(logits < kth_value, float("-inf"))
-    if top_ps is None:
-        return
-    # Normalised over the row left by top-k (not over the candidates, which may hold more than
-    # the row's k): the same probabilities whatever the candidate count of the batch.
-    candidate_probs = (candidates - logits.logsumexp(dim=-1, keepdim=True)).exp()  # [B, C]
-    mass_before = candidate_probs.cumsum(dim=-1) - candidate_probs  # probability ranked above each
-    # >= 1: the top has 0 above, unless top_p itself rounds to 0 in float32 (top_p < 1.2e-38)
-    num_kept = (mass_before < top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
-    cutoff = candidates.gather(1, num_kept - 1)  # [B, 1]
-    logits.masked_fill_(logits < cutoff, float("-inf"))
-
-
-def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> None:
-    """Drop tokens less likely than min_p times the row's most likely token."""
-    threshold = min_ps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, 1]
-    probs.masked_fill_(probs < threshold, 0.0)
-
-
 def _uses_top_k(params: BatchParams, vocab_size: int) -> bool:
     return any(k < vocab_size for k, greedy in zip(params.top_ks, params.is_greedy) if not greedy)
 
@@ -385,7 +283,7 @@ def _uses_top_p(params: BatchParams) -> bool:
 def _raw_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
     if not rows:
         return None
-    row_index = _to_device(rows, torch.int64, logits.device)
+    row_index = to_device(rows, torch.int64, logits.device)
     return logits.index_select(0, row_index).to(torch.float32).log_softmax(dim=-1)  # [R, V]
 
 
@@ -419,7 +317,7 @@ def _pack(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, params: Ba
     if raw_logprobs is None:
         return token_ids, None
     max_top_n = min(max(params.num_logprobs), raw_logprobs.shape[1])
-    row_index = _to_device(params.logprob_rows, torch.int64, token_ids.device)
+    row_index = to_device(params.logprob_rows, torch.int64, token_ids.device)
     sampled = raw_logprobs.gather(1, token_ids.index_select(0, row_index).unsqueeze(1)).squeeze(1)  # [R]
     top_values, top_token_ids = raw_logprobs.topk(max_top_n, dim=-1)  # [R, max_top_n], descending
     packed = torch.cat([token_ids.double(), sampled.double(),
@@ -445,18 +343,3 @@ def _unpack(packed: list[float], params: BatchParams, max_top_n: int) -> Sampler
         logprobs[row] = entry
         sampled_logprobs[row] = sampled_list[j]
     return SamplerOutput(token_ids=token_id_list, logprobs=logprobs, sampled_logprobs=sampled_logprobs)
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`, without blocking the host on the GPU stream."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-def _array_to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Like _to_device for a numpy array (long token lists: numpy builds them ~4x faster)."""
-    tensor = torch.from_numpy(values)
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)

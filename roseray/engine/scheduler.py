@@ -143,5 +143,5 @@ class Scheduler:
         for req, status in zip(reqs, statuses):
             if req.status == RequestStatus.WAITING:  # queued, or preempted while its last token was in flight
                 self.waiting.remove(req)
-            self.block_manager.free(req)
+            self.block_manager.release(req)
             req.status = status

@@ -24,8 +24,8 @@ except ImportError:  # Triton is not installed (not Linux): the torch paths need
     silu_and_mul = layernorm = rmsnorm = rotary_qk_ = gumbel_max_sample = variant_row_counts = None
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "gumbel_max_sample", "variant_row_counts", "layernorm", "rmsnorm", "rotary_qk_", "silu_and_mul", "fused_kernels",
-           "use_triton"]
+__all__ = ["HAVE_TRITON", "gumbel_max_sample", "variant_row_counts", "layernorm", "rmsnorm", "rotary_qk_",
+           "silu_and_mul", "fused_kernels", "use_triton"]
 
 _OVERRIDE: bool | None = None  # set by fused_kernels(): True/False everywhere, None = CUDA tensors only
 

@@ -1,12 +1,11 @@
 """The output projection over the vocabulary, with its rows padded in storage.
 
 An odd vocabulary (GPT-2's 50257) makes the logits' row stride odd, and cuBLAS then falls
-back to slow kernels without Hopper's aligned tiles (128 us instead of ~30 us for
-[128, 768] x [768, 50257] on an H100). So the weight's storage holds `padded_vocab_size`
-rows (zeros past the vocabulary): the parameter itself is the [vocab_size, hidden] view of
-its first rows, so checkpoints load, embeddings look up and ties share it as before, and
-`vocab_logits` multiplies by the padded rows and returns the [num_rows, vocab_size] view
-of the result. Nothing downstream sees a padded column.
+back to kernels without Hopper's aligned tiles, several times slower (BENCHMARKS.md). So the
+weight's storage holds `padded_vocab_size` rows (zeros past the vocabulary): the parameter
+itself is the [vocab_size, hidden] view of its first rows, so checkpoints load, embeddings
+look up and ties share it as before, and `vocab_logits` multiplies by the padded rows and
+returns the [num_rows, vocab_size] view of the result. Nothing downstream sees a padded column.
 """
 
 from __future__ import annotations

@@ -109,7 +109,6 @@ def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None =
     return ModelConfig(
         architecture=family,
         hf_architecture=hf_architecture,
-        bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_token_ids(hf, generation or {}),
         torch_dtype=_DTYPE_NAMES.get(str(hf.get("torch_dtype") or hf.get("dtype"))),
         **fields,

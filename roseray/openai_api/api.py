@@ -1,9 +1,10 @@
 """The OpenAI HTTP API of one engine replica (FastAPI), the same app in Ray and standalone.
 
 POST /v1/completions, /v1/chat/completions (SSE streaming or whole), GET /v1/models,
-/health (liveness), /ready, /metrics. Each streamed request costs one SSE write per
-engine step. A client that goes away closes its RequestStream, which aborts the request
-in the engine. Prompt text is never logged unless `log_prompts` is set.
+/health (liveness), /ready, /metrics, and (unless turned off) /openapi.json and /docs.
+Each streamed request costs one SSE write per engine step. A client that goes away closes
+its RequestStream, which aborts the request in the engine (counted as "abort"). Prompt
+text is never logged unless `log_prompts` is set.
 
 Around the routes, outermost first: the replica header on every response; CORS (only
 when origins are configured: a browser on another origin gets nothing otherwise); the
@@ -20,15 +21,16 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from roseray.engine.request import RequestDelta
+from roseray.config import ServerConfig
+from roseray.engine.outputs import RequestDelta
 from roseray.openai_api.auth import ApiKeyMiddleware
-from roseray.openai_api.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from roseray.openai_api.body_limit import BodyLimitMiddleware
 from roseray.openai_api.errors import APIError, error_body, install_error_handlers, param_of
 from roseray.openai_api.fast_routes import GenerationFastPath
 from roseray.openai_api.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
@@ -108,9 +110,8 @@ class OpenAIServer:
         self.log_requests = log_requests
         self.log_prompts = log_prompts  # off by default: prompts are user data
         self.metrics = ServerMetrics(model_name, lambda: engine.stats, share=metrics_share)
-        client = getattr(engine, "engine", None)
-        if hasattr(client, "on_message_delay"):  # an engine process's client (not an in-process engine or a stub)
-            client.on_message_delay = self.metrics.message_delay.observe
+        if isinstance(engine, AsyncLLMEngine):  # not a stand-in of a test
+            engine.client.on_message_delay = self.metrics.message_delay.observe
         # request ids: a random prefix of this process and a counter (a getrandom call per id,
         # as uuid4 or secrets make, was ~3% of admitting a request in a py-spy profile)
         self._id_prefix, self._id_numbers = secrets.token_hex(8), itertools.count()
@@ -159,10 +160,11 @@ class OpenAIServer:
             if isinstance(body, ChatCompletionRequest):
                 text = self.tokenizer.apply_chat_template(body.template_messages(),
                                                           add_generation_prompt=body.add_generation_prompt)
-                # the template already holds any BOS the model wants
-                return self.tokenizer.encode(text, add_special_tokens=False), params
+                return self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens), params
             prompt = body.single_prompt()
-            return (self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)), params
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens), params
+            return list(prompt), params
         except UnsupportedFieldError as error:
             raise APIError(400, str(error), param=error.param) from None
         except UnicodeError:  # a lone surrogate ("\ud800") parses as JSON but is no text
@@ -229,7 +231,7 @@ class OpenAIServer:
         try:
             if body.stream:
                 render, render_error = self._sse_renderers(builder, timer)
-                return EngineSSEResponse(stream, render, render_error,
+                return EngineSSEResponse(stream, render, render_error, on_end=timer.on_response_end,
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return await self._whole(http_request, stream, builder, timer)
         except BaseException:
@@ -250,6 +252,7 @@ class OpenAIServer:
             return builder.stream_chunks((delta,)) + builder.stream_end(delta)
 
         def render_error(error: BaseException) -> bytes:
+            timer.count("error")
             if isinstance(error, EngineUnavailableError):
                 return sse_event(error_body(503, str(error), code="unavailable")) + SSE_DONE
             logger.error("stream failed", exc_info=error)
@@ -277,6 +280,7 @@ class OpenAIServer:
         finally:
             watcher.cancel()
         if last is None or not last.finished:  # the client went away; nobody reads this
+            timer.count("abort")
             return Response(status_code=499)
         self._finished(timer, last)
         if last.finish_reason == "error":
@@ -301,19 +305,21 @@ async def _close_on_disconnect(http_request: Request, stream: RequestStream) -> 
     stream.close()
 
 
-def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_len: int | None = None,
-               replica_name: str = "standalone", api_key: str | None = None,
-               request_guard: RequestGuard | None = None, drain_timeout_s: float = 30.0,
-               log_requests: bool = False, log_prompts: bool = False, max_logprobs: int | None = None,
-               cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               metrics_share: MetricsShare | None = None) -> FastAPI:
-    """The OpenAI app over `engine`. Its lifespan starts the engine loop and, on shutdown,
-    drains it (running requests get `drain_timeout_s` to finish). `cors_origins`: the
-    browser origins allowed to call the API (none by default; "*" for any).
-    `metrics_share`: this is one of several API processes of one engine (metrics_share.py)."""
-    server = OpenAIServer(engine, tokenizer, model_name=model_name, max_model_len=max_model_len,
-                          request_guard=request_guard, log_requests=log_requests, log_prompts=log_prompts,
-                          max_logprobs=max_logprobs, metrics_share=metrics_share)
+def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, replica_name: str = "standalone",
+               request_guard: RequestGuard | None = None, metrics_share: MetricsShare | None = None) -> FastAPI:
+    """The OpenAI app over `engine` with the settings of `config`. Its lifespan starts the
+    engine loop and, on shutdown, drains it (running requests get `config.drain_timeout_s`
+    to finish). The model's name (unless `config.served_model_name`), its tokenizer and
+    limits are the engine's. The rest is who this process is: its `replica_name` (the
+    x-roseray-replica header), its `request_guard` (the Ray app's ticket check) and its
+    `metrics_share` (one of several API processes of one engine, metrics_share.py).
+    `config.enable_docs`: the OpenAPI schema at /openapi.json and Swagger UI at /docs (behind the
+    API key when one is set, as every route but the probes)."""
+    llm = engine.client
+    server = OpenAIServer(engine, llm.tokenizer, model_name=config.served_model_name or llm.model_name,
+                          max_model_len=llm.max_model_len, request_guard=request_guard,
+                          log_requests=config.log_requests, log_prompts=config.log_prompts,
+                          max_logprobs=llm.config.max_logprobs, metrics_share=metrics_share)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -322,13 +328,13 @@ def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_
         if metrics_share is not None:
             publisher = asyncio.ensure_future(metrics_share.publish_forever(server.metrics.registry))
         yield
-        await engine.shutdown(drain_timeout_s)
+        await engine.shutdown(config.drain_timeout_s)
         if publisher is not None:
             publisher.cancel()  # publishes once more on the way out
             await asyncio.gather(publisher, return_exceptions=True)
 
-    app = FastAPI(title="roseray", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  **NO_FASTAPI_TELEMETRY)
+    app = FastAPI(title="roseray", lifespan=lifespan, docs_url="/docs" if config.enable_docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if config.enable_docs else None, **NO_FASTAPI_TELEMETRY)
     app.state.server = server
     install_error_handlers(app)
     install_openapi(app)
@@ -359,11 +365,11 @@ def create_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_
 
     # add_middleware puts each one outside the ones before it
     app.add_middleware(GenerationFastPath, server=server)  # innermost: well-formed generation requests skip FastAPI
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)  # refuses before the body is read
-    if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)  # refuses before the body is read
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type", "x-request-id", "x-session-id"],
                            expose_headers=[REPLICA_HEADER, "retry-after"], allow_credentials=False, max_age=600)
     app.add_middleware(ReplicaHeaderMiddleware, replica_name=replica_name)  # outermost: every response

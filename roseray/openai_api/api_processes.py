@@ -9,7 +9,8 @@ This process is a small supervisor. Before it starts anything it binds N listeni
 sockets to host:port with SO_REUSEPORT (bind errors surface at once; the kernel spreads
 connections evenly over them). It then starts ONE engine child (engine_process.py) with a
 pipe pair per API process, and N API processes (api_worker.py), each given its socket,
-its pipe pair, a settings pipe and a lifeline pipe (subprocess pass_fds: no pickle). It
+its pipe pair, a settings pipe (APIProcessSettings as JSON) and a lifeline pipe (subprocess
+pass_fds: no pickle). It
 forwards SIGTERM/SIGINT to the API processes (each drains its own requests), waits for
 them, then for the engine child, which exits when its last client has gone. If an API
 process or the engine child dies unexpectedly, it stops the rest and exits with 1; if the
@@ -24,13 +25,13 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
-from roseray.config import EngineConfig
+from roseray.config import EngineConfig, ServerConfig
+from roseray.openai_api.listen import bind_reuseport_sockets
 from roseray.runtime.engine_process import spawn_engine_process
 
 logger = logging.getLogger(__name__)
@@ -39,55 +40,44 @@ POLL_S = 0.1  # how often the supervisor looks at its children
 ENGINE_EXIT_TIMEOUT_S = 10.0  # the engine child exits this soon after its last client
 
 
-def bind_reuseport_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """`count` sockets bound to host:port in one SO_REUSEPORT group (not listening yet:
-    each API process listens once it is ready). A first bind without SO_REUSEPORT makes
-    sure no other server holds the port: it would otherwise join the group silently."""
-    if not sys.platform.startswith("linux") or not hasattr(socket, "SO_REUSEPORT"):
-        raise RuntimeError("--api-processes > 1 needs Linux (SO_REUSEPORT spreads the connections); "
-                           "use --api-processes 1 here")
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind(address)  # OSError (address in use) if another server listens there
-        address = probe.getsockname()  # with port 0: the port the kernel picked
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(family, kind, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind(address)
-    except OSError:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
+@dataclasses.dataclass
+class APIProcessSettings:
+    """What an API process is told through its settings pipe: JSON of these fields (no pickle;
+    the API key and the ticket secret stay off the command line)."""
+
+    engine: EngineConfig
+    server: ServerConfig
+    replica_name: str | None = None  # a Ray engine replica's API process: the replica's name
+    ticket_secret: str | None = None  # a Ray engine replica's API process: the Router's ticket key
+
+    def encode(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> APIProcessSettings:
+        fields = json.loads(data)
+        return cls(engine=EngineConfig(**fields.pop("engine")), server=ServerConfig(**fields.pop("server")),
+                   **fields)
 
 
-def run_api_processes(engine_config: EngineConfig, num_processes: int, *, host: str, port: int,
-                      server_settings: dict) -> int:
-    """Serve with `num_processes` API processes until SIGTERM/SIGINT; the exit code (0
-    after a signal, 1 when a child died). `server_settings`: build_server's keyword
-    arguments other than the engine (api_key, drain_timeout_s, ...)."""
-    sockets = bind_reuseport_sockets(host, port, num_processes)
-    port = sockets[0].getsockname()[1]
+def run_api_processes(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Serve with `config.api_processes` API processes until SIGTERM/SIGINT; the exit code (0
+    after a signal, 1 when a child died)."""
+    sockets = bind_reuseport_sockets(config.host, config.port, config.api_processes)
+    config = dataclasses.replace(config, port=sockets[0].getsockname()[1])  # port 0: the one the kernel picked
     metrics_dir = tempfile.mkdtemp(prefix="roseray-metrics-")
-    engine, pipes = spawn_engine_process(engine_config, num_processes)
+    engine, pipes = spawn_engine_process(engine_config, config.api_processes)
     lifeline_r, lifeline_w = os.pipe()  # the supervisor keeps the write end until it exits
-    settings = json.dumps({"engine": dataclasses.asdict(engine_config), "host": host, "port": port,
-                           **server_settings}).encode()
+    settings = APIProcessSettings(engine_config, config)
     workers = []
     try:
         for index, (sock, (commands_fd, outputs_fd)) in enumerate(zip(sockets, pipes)):
-            workers.append(spawn_api_worker("roseray.openai_api.api_worker", index, sock.fileno(), commands_fd, outputs_fd,
-                                            lifeline_r, metrics_dir, settings))
+            workers.append(spawn_api_worker("roseray.openai_api.api_worker", index, sock.fileno(), commands_fd,
+                                            outputs_fd, lifeline_r, metrics_dir, settings))
         os.close(lifeline_r)
-        logger.info("%d API processes on %s:%d (pids %s), one engine process (pid %d)", num_processes, host, port,
-                    " ".join(str(w.pid) for w in workers), engine.pid)
-        return Supervisor(engine, workers, server_settings.get("drain_timeout_s", 30.0)).run()
+        logger.info("%d API processes on %s:%d (pids %s), one engine process (pid %d)", config.api_processes,
+                    config.host, config.port, " ".join(str(w.pid) for w in workers), engine.pid)
+        return Supervisor(engine, workers, config.drain_timeout_s).run()
     finally:
         for sock in sockets:
             sock.close()
@@ -100,11 +90,11 @@ def run_api_processes(engine_config: EngineConfig, num_processes: int, *, host: 
 
 
 def spawn_api_worker(module: str, index: int, socket_fd: int, commands_fd: int, outputs_fd: int, lifeline_fd: int,
-                     metrics_dir: str, settings: bytes, ready_fd: int | None = None) -> subprocess.Popen:
-    """`python -m module` (api_worker.py, or serve/replica_api_worker.py) given its listening
+                     metrics_dir: str, settings: APIProcessSettings, ready_fd: int | None = None) -> subprocess.Popen:
+    """`python -m module` (api_worker.py, or ray_serve/replica_api_worker.py) given its listening
     socket, its engine pipe pair (closed here: the worker's now), the lifeline's read end,
-    its settings (JSON, written to a pipe: no secrets on the command line) and, optionally,
-    a pipe's write end (closed here) on which it says when it serves."""
+    its settings (written to a pipe: no secrets on the command line) and, optionally, a
+    pipe's write end (closed here) on which it says when it serves."""
     settings_r, settings_w = os.pipe()
     ready = () if ready_fd is None else (ready_fd,)
     fds = (socket_fd, commands_fd, outputs_fd, settings_r, lifeline_fd) + ready
@@ -117,7 +107,7 @@ def spawn_api_worker(module: str, index: int, socket_fd: int, commands_fd: int, 
     for fd in (commands_fd, outputs_fd, settings_r) + ready:  # the worker's now
         os.close(fd)
     with os.fdopen(settings_w, "wb") as f:  # read by the worker at start (a pipe buffer holds it meanwhile)
-        f.write(settings)
+        f.write(settings.encode())
     return process
 
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import json
 
+from roseray.config import DEFAULT_MAX_BODY_BYTES
 from roseray.openai_api.errors import error_body
-
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # a max_model_len-sized prompt as token ids is ~1 MB per 128k tokens
 
 
 class BodyLimitMiddleware:

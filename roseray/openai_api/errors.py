@@ -1,7 +1,8 @@
 """Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
 
 Every failure the API returns goes through `error_response`: 400 for any invalid
-request (FastAPI's 422 is converted, with a message naming the field), 401 bad API key,
+request (FastAPI's 422 is converted, with a message naming the field; code "unknown_field"
+for a field roseray does not know, "unsupported_field" for one it refuses), 401 bad API key,
 404 unknown model or route, 413 body over the size limit (roseray.openai_api.body_limit),
 429 + Retry-After when the engine queue is full, 500 when the engine failed the request,
 503 + Retry-After while not ready or draining.
@@ -9,6 +10,7 @@ request (FastAPI's 422 is converted, with a message naming the field), 401 bad A
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
 
@@ -16,6 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from roseray.openai_api.protocol import KNOWN_FIELDS, REFUSED_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -80,28 +84,60 @@ def _field_path(error: dict) -> str | None:
     return ".".join(parts) or None
 
 
-def _validation_message(exc: RequestValidationError, content_type: str = "application/json") -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError,
+                        content_type: str = "application/json") -> tuple[str, str | None, str | None]:
+    """(message, param, code) of a body that does not validate."""
     errors = exc.errors()
     if not errors:
-        return "invalid request body", None
+        return "invalid request body", None, None
     if any(e.get("type") == "json_invalid" for e in errors):
-        return PARSE_ERROR_MESSAGE, None
+        return PARSE_ERROR_MESSAGE, None, None
+    fields = {(_field_path(e) or "").split(".")[0] for e in errors}
+    more = f" (and {len(fields) - 1} more invalid field(s))" if len(fields) > 1 else ""
+    refusal = _refusal(errors)
+    if refusal is not None:
+        return refusal[0] + more, refusal[1], refusal[2]
     # A value that fails every member of a union yields one error per member: the one that
     # is not a plain type mismatch names the real problem ("stop": "" is a str, but empty).
     first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
     param = _field_path(first)
     if first.get("type") == "missing":
         if param is None:
-            return "the request body is empty: send a JSON object", None
-        return f"missing required field {param!r}", param
+            return "the request body is empty: send a JSON object", None, None
+        return f"missing required field {param!r}", param, None
     if param is None and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
         if "json" not in content_type:
-            return "the request body must be a JSON object sent as content-type: application/json", None
-        return "the request body must be a JSON object", None
+            return "the request body must be a JSON object sent as content-type: application/json", None, None
+        return "the request body must be a JSON object", None, None
     message = first.get("msg", "invalid value")
-    fields = {(_field_path(e) or "").split(".")[0] for e in errors}
-    more = f" (and {len(fields) - 1} more invalid field(s))" if len(fields) > 1 else ""
-    return (f"{param}: {message}{more}" if param else f"{message}{more}"), param
+    return (f"{param}: {message}{more}" if param else f"{message}{more}"), param, None
+
+
+def _refusal(errors: list[dict]) -> tuple[str, str, str] | None:
+    """(message, param, code) when a field is one roseray refuses (protocol.py), or unknown.
+    A refused field is named first: {"response_format": {"type": "json_schema", "json_schema":
+    ...}} is a refused response_format, not an unknown field inside it."""
+    paths = [(error, path) for error in errors if (path := _field_path(error)) is not None]
+    for error, path in paths:
+        if error.get("type") == "extra_forbidden":  # a field of the other route
+            continue
+        parts = path.split(".")
+        # a refused field of the body, or of one of its messages ("messages.0.tool_calls")
+        depth = 3 if parts[0] == "messages" and len(parts) > 2 else 1
+        name = parts[depth - 1]
+        if name in REFUSED_FIELDS:
+            return f"{name} is not supported ({REFUSED_FIELDS[name]})", ".".join(parts[:depth]), "unsupported_field"
+    for error, path in paths:
+        if error.get("type") == "extra_forbidden":
+            hint = ""
+            if path in KNOWN_FIELDS:
+                hint = "it is a field of the other generation route; "
+            elif "." not in path:
+                close = difflib.get_close_matches(path, KNOWN_FIELDS, n=1, cutoff=0.75)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+            return (f"unknown field {path!r} ({hint}fields roseray does not know are refused, not ignored; "
+                    f"see docs/request-fields.md)", path, "unknown_field")
+    return None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -111,8 +147,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc, request.headers.get("content-type", "").lower())
-        return error_response(400, message, param=param)
+        message, param, code = _validation_message(exc, request.headers.get("content-type", "").lower())
+        return error_response(400, message, param=param, code=code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -7,9 +7,10 @@ arrive together that CPU is their time to first token. This pure ASGI layer, inn
 roseray's middleware (so the API key, the body limit and the replica header still apply),
 answers a well-formed JSON body of those routes itself: pydantic validates the raw bytes
 (`model_validate_json`) and the same `OpenAIServer.generate` runs. Anything else (another
-route or method, another content type, a body that does not parse or validate) goes to
-FastAPI unchanged with its body replayed, so every error keeps its one implementation
-(errors.py) and the routes stay in the OpenAPI schema.
+route or method, another content type, a body that does not parse or validate, an
+unknown or refused field included) goes to FastAPI unchanged with its body replayed, so
+every error keeps its one implementation (errors.py) and the routes stay in the OpenAPI
+schema.
 """
 
 from __future__ import annotations

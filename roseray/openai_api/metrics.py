@@ -139,14 +139,17 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Latency bookkeeping of one request (times from time.monotonic())."""
+    """Latency bookkeeping of one request (times from time.monotonic()). Each request is
+    counted once in request_success by how it ended: its finish reason, "error" when its
+    stream failed, or "abort" when the client went away first."""
 
-    __slots__ = ("metrics", "arrival_time", "last_token_time")
+    __slots__ = ("metrics", "arrival_time", "last_token_time", "counted")
 
     def __init__(self, metrics: ServerMetrics, arrival_time: float) -> None:
         self.metrics = metrics
         self.arrival_time = arrival_time
         self.last_token_time: float | None = None
+        self.counted = False
 
     def on_tokens(self, num_tokens: int, now: float) -> None:
         if num_tokens <= 0:
@@ -167,6 +170,17 @@ class RequestTimer:
             m.queue_time.observe(max(0.0, first_scheduled_time - arrival_time))
         m.prompt_tokens.observe(num_prompt_tokens)
         m.generation_tokens.observe(num_output_tokens)
-        counter = m._success.get(finish_reason or "error")
+        self.count(finish_reason or "error")
+
+    def count(self, finished_reason: str) -> None:
+        """Count the request in request_success under `finished_reason`, unless it was counted."""
+        if self.counted:
+            return
+        self.counted = True
+        counter = self.metrics._success.get(finished_reason)
         if counter is not None:
             counter.inc()
+
+    def on_response_end(self) -> None:
+        """The response ended: a request not counted by then was left by its client (abort)."""
+        self.count("abort")

@@ -3,7 +3,8 @@
 Responses are built as plain dicts on the hot path (responses.py); the models here only
 describe them, for the schema (and for the schemathesis test that holds the app to it).
 FastAPI documents a 422 for every route with a body; roseray answers 400 instead, so
-the schema is post-processed to say so.
+the schema is post-processed to say so. It is OpenAPI 3.2: a streamed response's SSE
+events are described with 3.2's `itemSchema`.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ def sse_item_schema(chunk: type[BaseModel]) -> dict:
                                     "else": {"contentMediaType": "application/json", "contentSchema": payload}}}}
 
 
+OPENAPI_VERSION = "3.2.0"
 _ERROR = {"model": ErrorResponse}
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "string"}}}
 
@@ -193,12 +195,13 @@ PROBE_RESPONSES: dict[int | str, dict] = {503: {**_ERROR, "description": "unheal
 
 
 def install_openapi(app: FastAPI) -> None:
-    """`app.openapi()` states 400 (not FastAPI's 422) for invalid bodies. The schema is not
-    served over HTTP (openapi_url=None); it is here for tools and tests."""
+    """`app.openapi()` (served at the app's openapi_url) states 400, not FastAPI's 422, for
+    invalid bodies."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema = get_openapi(title=app.title, version=app.version, openapi_version=OPENAPI_VERSION,
+                                 routes=app.routes)
             for path in schema.get("paths", {}).values():
                 for operation in path.values():
                     operation.get("responses", {}).pop("422", None)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from json.encoder import encode_basestring  # the C string encoder json.dumps uses (ensure_ascii=False)
 
-from roseray.engine.request import RequestDelta
+from roseray.engine.outputs import RequestDelta
 
 SSE_DONE = b"data: [DONE]\n\n"
 # json.dumps with any option builds a new JSONEncoder per call; every request's first and last events pay that

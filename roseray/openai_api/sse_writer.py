@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from roseray.engine.request import RequestDelta
+from roseray.engine.outputs import RequestDelta
 from roseray.runtime.request_stream import RequestStream
 
 RenderDelta = Callable[[RequestDelta], bytes]  # one delta -> its SSE bytes (a finished delta's close the stream)
@@ -158,18 +158,19 @@ class SSEWriter:
 class EngineSSEResponse(Response):
     """`text/event-stream` response of one engine request, written by an SSEWriter from the
     engine's hand-off. Ends when the stream ends or the client disconnects (which aborts
-    the request and frees its KV blocks); always closes the stream."""
+    the request and frees its KV blocks); always closes the stream, then calls `on_end`."""
 
     media_type = "text/event-stream"
 
     def __init__(self, stream: RequestStream, render: RenderDelta, render_error: RenderError,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, on_end: Callable[[], None] | None = None) -> None:
         # Not Response.__init__: that would declare a content-length for the empty body.
         self.status_code = 200
         self.background = None
         self.stream = stream
         self.render = render
         self.render_error = render_error
+        self.on_end = on_end
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -188,6 +189,8 @@ class EngineSSEResponse(Response):
             if disconnect is not None:
                 disconnect.cancel()
             self.stream.close()
+            if self.on_end is not None:
+                self.on_end()
 
 
 async def until_disconnect(receive: Receive) -> None:

@@ -10,16 +10,17 @@ A second SIGINT skips the rest of the drain.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import uvicorn
 from starlette.types import ASGIApp
 
-from roseray.config import EngineConfig
+from roseray.config import EngineConfig, ServerConfig
 from roseray.openai_api.api import RequestGuard, create_app
-from roseray.openai_api.body_limit import DEFAULT_MAX_BODY_BYTES
+from roseray.openai_api.listen import bind_socket
 from roseray.openai_api.metrics_share import MetricsShare
 from roseray.runtime.async_engine import AsyncLLMEngine
 
@@ -53,42 +54,37 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def build_server(engine: AsyncLLMEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                 served_model_name: str | None = None, log_prompts: bool = False, log_requests: bool = False,
-                 drain_timeout_s: float = 30.0, log_level: str = "info", cors_origins: Sequence[str] = (),
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, replica_suffix: str = "",
-                 metrics_share: MetricsShare | None = None, replica_name: str | None = None,
-                 request_guard: RequestGuard | None = None,
-                 wrap_app: Callable[[ASGIApp], ASGIApp] | None = None,
+def build_server(engine: AsyncLLMEngine, config: ServerConfig, *, replica_name: str | None = None,
+                 replica_suffix: str = "", metrics_share: MetricsShare | None = None,
+                 request_guard: RequestGuard | None = None, wrap_app: Callable[[ASGIApp], ASGIApp] | None = None,
                  on_started: Callable[[], None] | None = None) -> DrainingServer:
-    """The uvicorn server of `roseray serve` over an engine that is not started yet.
-    `replica_suffix` and `metrics_share`: one of several API processes (api_worker.py).
-    `replica_name`, `request_guard`, `wrap_app`, `on_started`: an API process of a Ray Serve
-    engine replica (serve/replica_api_worker.py): its name, its ticket check, the probes Serve
-    answers, and how it tells the replica that it serves."""
-    llm = engine.engine
-    app = create_app(engine, llm.tokenizer, model_name=served_model_name or llm.model_name,
-                     max_model_len=llm.max_model_len,
-                     replica_name=replica_name or f"standalone@{socket.gethostname()}:{port}{replica_suffix}",
-                     api_key=api_key, request_guard=request_guard, drain_timeout_s=drain_timeout_s,
-                     log_requests=log_requests, log_prompts=log_prompts, max_logprobs=llm.config.max_logprobs,
-                     cors_origins=cors_origins, max_body_bytes=max_body_bytes, metrics_share=metrics_share)
+    """The uvicorn server of `roseray serve` over an engine that is not started yet, with the
+    settings of `config`. The rest is who this process is: `replica_suffix` and `metrics_share`
+    for one of several API processes (api_worker.py); `replica_name`, `request_guard`,
+    `wrap_app`, `on_started` for an API process of a Ray Serve engine replica
+    (ray_serve/replica_api_worker.py): its name, its ticket check, the probes Serve answers,
+    and how it tells the replica that it serves."""
+    replica_name = replica_name or f"standalone@{socket.gethostname()}:{config.port}{replica_suffix}"
+    app = create_app(engine, config, replica_name=replica_name, request_guard=request_guard,
+                     metrics_share=metrics_share)
     if wrap_app is not None:
         app = wrap_app(app)
-    if host not in LOOPBACK_HOSTS and not api_key:
-        logger.warning("serving on %s without an API key: anyone who reaches this address can use the model", host)
+    if config.host not in LOOPBACK_HOSTS and not config.api_key:
+        logger.warning("serving on %s without an API key: anyone who reaches this address can use the model",
+                       config.host)
     # the drain happens before uvicorn's own graceful shutdown, which then only closes finished connections
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                            lifespan="on")
-    return DrainingServer(config, engine, drain_timeout_s, on_started)
+    uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                                    timeout_graceful_shutdown=5, lifespan="on")
+    return DrainingServer(uvicorn_config, engine, config.drain_timeout_s, on_started)
 
 
-def run_standalone(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-                   api_key: str | None = None, served_model_name: str | None = None, log_prompts: bool = False,
-                   log_requests: bool = False, drain_timeout_s: float = 30.0, log_level: str = "info",
-                   cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-    """Load the model, then serve until SIGINT/SIGTERM, draining on the way out."""
-    engine = AsyncLLMEngine.from_engine_config(engine_config)
-    build_server(engine, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-                 log_prompts=log_prompts, log_requests=log_requests, drain_timeout_s=drain_timeout_s,
-                 log_level=log_level, cors_origins=cors_origins, max_body_bytes=max_body_bytes).run()
+def run_standalone(engine_config: EngineConfig, config: ServerConfig) -> None:
+    """Bind the port (a taken one fails before the model loads), load the model, then serve
+    until SIGINT/SIGTERM, draining on the way out."""
+    sock = bind_socket(config.host, config.port)
+    try:
+        config = dataclasses.replace(config, port=sock.getsockname()[1])  # port 0: the one the kernel picked
+        engine = AsyncLLMEngine.from_engine_config(engine_config, stuck_after_s=config.stuck_after_s)
+        build_server(engine, config).run(sockets=[sock])
+    finally:
+        sock.close()

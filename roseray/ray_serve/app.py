@@ -16,23 +16,24 @@ FastAPI must see the real `Request` annotation of the route methods, not a strin
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 from typing import Any, Literal
 
 import ray
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from roseray.config import EngineConfig
+from roseray import envs
+from roseray.config import EngineConfig, ServerConfig
+from roseray.envs import ROUTER_REPLICAS_ENV
 from roseray.openai_api.api import create_app
-from roseray.openai_api.body_limit import DEFAULT_MAX_BODY_BYTES
+from roseray.openai_api.api_processes import APIProcessSettings
 from roseray.openai_api.metrics_share import MetricsShare
 from roseray.ray_serve import wiring
-from roseray.ray_serve.haproxy_env import ROUTER_REPLICAS_ENV, router_replicas_in_env
+from roseray.ray_serve.haproxy_env import router_replicas_in_env
 from roseray.ray_serve.ready import ReadyAnnouncement
 from roseray.ray_serve.replica_api_processes import ReplicaAPIProcesses, start_shared_engine
 from roseray.ray_serve.router_endpoint import RouterEndpoint
@@ -41,8 +42,6 @@ from roseray.ray_serve.routing import HintConfig, KVQueueRequestRouter, hint_fro
 from roseray.ray_serve.ticket import TicketSigner, new_secret
 from roseray.runtime.async_engine import AsyncLLMEngine
 
-API_KEY_ENV = "ROSERAY_API_KEY"
-
 logger = logging.getLogger(__name__)
 
 
@@ -50,7 +49,7 @@ def resolve_api_key(configured: str | None) -> str | None:
     """The app's `api_key`, else ROSERAY_API_KEY from the replica's environment (runtime_env
     env_vars, or the node's environment at `ray start`), which keeps the key out of the
     Serve config that the dashboard and `serve status` show. None: no key required."""
-    return configured or os.environ.get(API_KEY_ENV) or None
+    return configured or envs.api_key()
 
 
 @serve.deployment(name="Engine")
@@ -58,40 +57,28 @@ def resolve_api_key(configured: str | None) -> str | None:
 class EngineDeployment:
     """One engine replica: a full continuous-batching engine and its OpenAI app."""
 
-    def __init__(self, engine_config: dict, ticket_secret: str, served_model_name: str | None = None,
-                 api_key: str | None = None, drain_timeout_s: float = 30.0, stuck_after_s: float = 60.0,
-                 log_requests: bool = False, cors_origins: list[str] | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, api_processes: int = 1) -> None:
-        config = EngineConfig(**engine_config)
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, ticket_secret: str) -> None:
         self.tickets = TicketSigner(ticket_secret)
         context = serve.get_replica_context()
         self.replica_name = f"{context.deployment}#{context.replica_id.unique_id}"
-        api_key = resolve_api_key(api_key)
-        settings = dict(served_model_name=served_model_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
-                        log_requests=log_requests, cors_origins=list(cors_origins or ()), max_body_bytes=max_body_bytes)
+        self.server_config = dataclasses.replace(server_config, api_key=resolve_api_key(server_config.api_key))
         self.api_processes: ReplicaAPIProcesses | None = None
-        metrics_share = None
-        if api_processes > 1:  # API processes take over the replica's port (replica_api_processes.py)
-            self.engine, self.api_processes = start_shared_engine(
-                config, api_processes, stuck_after_s=stuck_after_s, app_name=context.app_name,
-                settings={**settings, "replica_name": self.replica_name, "ticket_secret": ticket_secret,
-                          "log_level": "warning"})
-            metrics_share = MetricsShare(self.api_processes.metrics_dir, 0)
+        self.metrics_share: MetricsShare | None = None
+        if self.server_config.api_processes > 1:  # they take over the replica's port (replica_api_processes.py)
+            settings = APIProcessSettings(engine_config, dataclasses.replace(self.server_config, log_level="warning"),
+                                          replica_name=self.replica_name, ticket_secret=ticket_secret)
+            self.engine, self.api_processes = start_shared_engine(settings, app_name=context.app_name)
+            self.metrics_share = MetricsShare(self.api_processes.metrics_dir, 0)
         else:
-            self.engine = AsyncLLMEngine.from_engine_config(config, stuck_after_s=stuck_after_s)
+            self.engine = AsyncLLMEngine.from_engine_config(engine_config,
+                                                            stuck_after_s=self.server_config.stuck_after_s)
         self.engine.start()
-        llm = self.engine.engine
-        self._app_kwargs = dict(model_name=served_model_name or llm.model_name, max_model_len=llm.max_model_len,
-                                replica_name=self.replica_name, api_key=api_key, drain_timeout_s=drain_timeout_s,
-                                log_requests=log_requests, max_logprobs=llm.config.max_logprobs,
-                                cors_origins=tuple(cors_origins or ()), max_body_bytes=max_body_bytes,
-                                metrics_share=metrics_share)
         if self.api_processes is not None:
             self.api_processes.start()  # once Serve's server listens, after this constructor
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = create_app(self.engine, self.engine.engine.tokenizer, request_guard=self._check_ticket,
-                         **self._app_kwargs)
+        app = create_app(self.engine, self.server_config, replica_name=self.replica_name,
+                         request_guard=self._check_ticket, metrics_share=self.metrics_share)
         if self.api_processes is not None:
             app.router.lifespan_context = self.api_processes.around_lifespan(app.router.lifespan_context)
         return app
@@ -214,8 +201,8 @@ class RouterArgs(BaseModel):
         if value != "auto" and value != per_node:
             raise ValueError(f"router.num_replicas={value}, but Ray runs {ROUTER_REPLICAS_ENV}={per_node} Router "
                              f"replica(s) per proxy node and ignores the deployment's count: start Ray after "
-                             "`eval \"$(python -m roseray.ray_serve.haproxy_env "
-                             f"--router-replicas-per-node {value})\"`")
+                             "`eval \"$(python -m roseray.ray_serve.haproxy_env --router-replicas-per-node "
+                             f"{value})\"`")
         return value
 
     def replicas(self) -> int:
@@ -238,6 +225,9 @@ GPU_REPLICA_API_PROCESSES = 4
 SHUTDOWN_POLL_S = 0.2
 
 
+_SERVER = ServerConfig()  # the defaults of AppArgs' server settings
+
+
 class AppArgs(BaseModel):
     """The `args:` of serve_config.yaml."""
 
@@ -252,15 +242,33 @@ class AppArgs(BaseModel):
     # 0.7 ms step), 1 on CPU.
     # More than 1 needs the engine in its own process (engine.engine_process; the default on CUDA).
     api_processes_per_replica: int | Literal["auto"] = "auto"
-    served_model_name: str | None = None
-    api_key: str | None = None  # or ROSERAY_API_KEY in the engine replicas' environment (kept out of this config)
-    cors_origins: list[str] = Field(default_factory=list)  # browser origins allowed to call the API; none by default
-    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)  # larger request bodies get 413
+    # The engine replicas' ServerConfig fields, with its defaults and its checks (when these args are
+    # read); roseray.config.ServerConfig says what each does. Host and port are Serve's http_options.
+    # api_key: better ROSERAY_API_KEY in the engine replicas' environment (kept out of this config).
+    served_model_name: str | None = _SERVER.served_model_name
+    api_key: str | None = _SERVER.api_key
+    cors_origins: list[str] = Field(default_factory=list)
+    max_body_bytes: int = _SERVER.max_body_bytes
+    drain_timeout_s: float = _SERVER.drain_timeout_s
+    stuck_after_s: float = _SERVER.stuck_after_s
+    log_requests: bool = _SERVER.log_requests
+    log_prompts: bool = _SERVER.log_prompts
+    enable_docs: bool = _SERVER.enable_docs
     ticket_secret: str | None = None  # shared by Router and Engine; random per build when unset
-    drain_timeout_s: float = 30.0
-    stuck_after_s: float = 60.0  # check_health fails when the engine loop makes no progress this long
-    log_requests: bool = False
     router: RouterArgs = Field(default_factory=RouterArgs)
+
+    @model_validator(mode="after")
+    def _valid_server_config(self) -> "AppArgs":
+        self.server_config(api_processes=1)  # ServerConfig's checks, when the config is read
+        return self
+
+    def server_config(self, api_processes: int) -> ServerConfig:
+        """The engine replicas' ServerConfig (ValueError: a setting out of range)."""
+        return ServerConfig(served_model_name=self.served_model_name, api_key=self.api_key,
+                            cors_origins=tuple(self.cors_origins), max_body_bytes=self.max_body_bytes,
+                            drain_timeout_s=self.drain_timeout_s, stuck_after_s=self.stuck_after_s,
+                            log_requests=self.log_requests, log_prompts=self.log_prompts,
+                            enable_docs=self.enable_docs, api_processes=api_processes)
 
 
 def _placement(args: AppArgs) -> tuple[int, float]:
@@ -287,7 +295,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     if not wiring.haproxy_enabled():
         raise RuntimeError(wiring.HAPROXY_REQUIRED)
     app_args = AppArgs(**(args or {}))
-    engine_config = EngineConfig(**app_args.engine)  # validate here, with a clear error, before any replica starts
+    engine_config = EngineConfig.from_kwargs(**app_args.engine)  # a clear error here, before any replica starts
     num_replicas, num_gpus = _placement(app_args)
     api_processes = _api_processes(app_args, num_gpus, engine_config)
     if api_processes > 1:
@@ -319,9 +327,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             request_routing_stats_period_s=app_args.router.stats_period_s,
             request_routing_stats_timeout_s=max(1.0, 2 * app_args.router.stats_period_s),
         ),
-    ).bind(dataclasses.asdict(engine_config), secret, app_args.served_model_name, app_args.api_key,
-           app_args.drain_timeout_s, app_args.stuck_after_s, app_args.log_requests, app_args.cors_origins,
-           app_args.max_body_bytes, api_processes)
+    ).bind(engine_config, app_args.server_config(api_processes), secret)
     router = RouterDeployment.options(
         num_replicas=app_args.router.replicas(), ray_actor_options=ROUTER_ACTOR_OPTIONS,
         max_ongoing_requests=10_000, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,

@@ -65,6 +65,11 @@ import shlex
 import shutil
 import sys
 
+from roseray import envs
+from roseray.envs import HAPROXY_REUSE_ENV as REUSE_ENV
+from roseray.envs import HAPROXY_SPLICE_ENV as SPLICE_ENV
+from roseray.envs import ROUTER_REPLICAS_ENV
+
 # The routed backend (HAProxy -> the replica the Router picked) also retries when the replica
 # closed the connection without a byte of response ("empty-response"): a replica that dies
 # (crash, OOM kill, ray.kill) after accepting a connection. Ray's default retries connect
@@ -80,18 +85,14 @@ RETRY_ON = "conn-failure empty-response"
 # HAProxy: at Ray's default of 8 MiB a burst of 128 streams queued ~3 ms per request.
 ROUTER_BODY_BYTES = 64 * 1024
 
-# Ray 2.60 runs this many Router (ingress request router) replicas on each node with a proxy,
-# whatever the Router deployment's num_replicas says (DeploymentState._reconcile_ingress_request_router).
-ROUTER_REPLICAS_ENV = "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"
-
-# an HAProxy http-reuse mode for the routed backends instead of Ray's "always" (an experiment
-# switch, read when HAProxy starts): "never" opens a connection to the replica per request, which
-# the first free API process accepts, instead of reusing those opened in a warm-up
-REUSE_ENV = "ROSERAY_HAPROXY_REUSE"
-
-# "0": the wrapper drops Ray's splice options from HAProxy's config (an experiment switch, read
-# when HAProxy starts)
-SPLICE_ENV = "ROSERAY_HAPROXY_SPLICE"
+# ROUTER_REPLICAS_ENV: Ray 2.60 runs this many Router (ingress request router) replicas on each
+# node with a proxy, whatever the Router deployment's num_replicas says
+# (DeploymentState._reconcile_ingress_request_router).
+# REUSE_ENV: an HAProxy http-reuse mode for the routed backends instead of Ray's "always" (an
+# experiment switch, read when HAProxy starts): "never" opens a connection to the replica per
+# request, which the first free API process accepts, instead of reusing those opened in a warm-up.
+# SPLICE_ENV: "0": the wrapper drops Ray's splice options from HAProxy's config (an experiment
+# switch, read when HAProxy starts).
 
 # Router replicas per node where the node has NVIDIA GPUs (--router-replicas-per-node auto).
 GPU_ROUTER_REPLICAS = 4
@@ -110,7 +111,7 @@ def local_gpu_count() -> int:
     """NVIDIA GPUs this node's processes may use, found without loading CUDA (this runs
     before Ray): CUDA_VISIBLE_DEVICES when it is set ("" or "-1": none), else the
     /dev/nvidiaN device files."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = envs.cuda_visible_devices()
     if visible is not None:
         count = 0
         for device in visible.split(","):
@@ -127,7 +128,7 @@ def auto_router_replicas() -> int:
 
 def router_replicas_in_env() -> int:
     """The Router replicas per proxy node that Ray runs, from this process's environment."""
-    return int(os.environ.get(ROUTER_REPLICAS_ENV) or 1)
+    return envs.router_replicas_per_node()
 
 
 def _router_count(text: str) -> int:

@@ -17,7 +17,7 @@ One replica with api_processes=N:
 
     replica actor: the app (index 0: Serve's fallback proxy path, and every connection
       |            until the API processes serve), record_routing_stats, check_health
-      |- engine child (engine_process.py serve_clients: one pipe pair per API process, and the actor's)
+      |- engine child (engine_loop.py serve_clients: one pipe pair per API process, and the actor's)
       |- API processes 1..N: the same app and ticket check; /-/healthz as Serve answers it
 
 Request metrics are shared (metrics_share.py): /metrics from any process counts them all.
@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import select
@@ -51,8 +49,7 @@ import tempfile
 import threading
 import time
 
-from roseray.config import EngineConfig
-from roseray.openai_api.api_processes import Supervisor, spawn_api_worker
+from roseray.openai_api.api_processes import APIProcessSettings, Supervisor, spawn_api_worker
 from roseray.openai_api.api_worker import connect_async_engine
 from roseray.ray_serve import wiring
 from roseray.ray_serve.replica_port import TIMEOUT_S, listening_socket_fd, wait_until_listed
@@ -64,15 +61,14 @@ logger = logging.getLogger(__name__)
 WORKER_MODULE = "roseray.ray_serve.replica_api_worker"
 
 
-def start_shared_engine(config: EngineConfig, num_processes: int, *, stuck_after_s: float, settings: dict,
-                        app_name: str) -> tuple[AsyncLLMEngine, ReplicaAPIProcesses]:
-    """Start the engine child with a client for the replica and one for each of `num_processes`
-    API processes; the replica's AsyncLLMEngine (client 0, not started) and the API processes
-    (not started). `settings`: build_server's keyword arguments for the API processes
-    (drain_timeout_s among them), plus replica_name and ticket_secret."""
-    engine_process, pipes = spawn_engine_process(config, num_processes + 1)
+def start_shared_engine(settings: APIProcessSettings, *, app_name: str) -> tuple[AsyncLLMEngine, ReplicaAPIProcesses]:
+    """Start the engine child with a client for the replica and one for each of
+    `settings.server.api_processes` API processes; the replica's AsyncLLMEngine (client 0, not
+    started) and the API processes (not started), which get `settings`."""
+    config, server = settings.engine, settings.server
+    engine_process, pipes = spawn_engine_process(config, server.api_processes + 1)
     try:
-        engine = connect_async_engine(config, *pipes[0], stuck_after_s=stuck_after_s)
+        engine = connect_async_engine(config, *pipes[0], stuck_after_s=server.stuck_after_s)
     except BaseException:
         engine_process.kill()
         engine_process.wait()
@@ -80,10 +76,8 @@ def start_shared_engine(config: EngineConfig, num_processes: int, *, stuck_after
             os.close(commands_fd)
             os.close(outputs_fd)
         raise
-    processes = ReplicaAPIProcesses(engine_process, pipes[1:],
-                                    {"engine": dataclasses.asdict(config), "stuck_after_s": stuck_after_s, **settings},
-                                    app_name=app_name, metrics_dir=tempfile.mkdtemp(prefix="roseray-metrics-"),
-                                    drain_timeout_s=settings["drain_timeout_s"])
+    processes = ReplicaAPIProcesses(engine_process, pipes[1:], settings, app_name=app_name,
+                                    metrics_dir=tempfile.mkdtemp(prefix="roseray-metrics-"))
     return engine, processes
 
 
@@ -91,16 +85,16 @@ class ReplicaAPIProcesses:
     """The API processes of one engine replica (see the module docstring). The replica keeps
     client 0 of `engine_process` for itself; `pipes` are clients 1..N, one per API process."""
 
-    def __init__(self, engine_process: subprocess.Popen, pipes: list[tuple[int, int]], settings: dict, *,
-                 app_name: str, metrics_dir: str, drain_timeout_s: float) -> None:
+    def __init__(self, engine_process: subprocess.Popen, pipes: list[tuple[int, int]], settings: APIProcessSettings,
+                 *, app_name: str, metrics_dir: str) -> None:
         self.engine_process = engine_process
         self.workers: list[subprocess.Popen] = []
         self.error: str | None = None  # why they could not start
         self.app_name = app_name
         self.metrics_dir = metrics_dir
-        self.drain_timeout_s = drain_timeout_s
+        self.drain_timeout_s = settings.server.drain_timeout_s
         self._pipes = pipes
-        self._settings = json.dumps(settings).encode()
+        self._settings = settings
         self._lifeline_r, self._lifeline_w = os.pipe()  # the workers stop when the write end closes
         self._lock = threading.Lock()
         self._stopping = False

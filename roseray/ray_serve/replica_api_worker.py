@@ -5,19 +5,19 @@ listening socket of the replica's own HTTP server, which the replica passed to i
 EngineProcessClient on its own pipe pair to the replica's engine child; once it serves, it
 says so on its ready pipe. Serve's wrapper answers HAProxy's health check (/-/healthz) on
 that port before the app sees a request; a connection this process accepts never meets
-that wrapper, so `ServeProbes` answers it the same way. Settings come as JSON through a pipe (the API key and the
-ticket secret stay off the command line). SIGTERM drains as in `roseray serve`; when the
-replica's process ends, the lifeline pipe ends and this process drains and stops too.
+that wrapper, so `ServeProbes` answers it the same way. Its settings (APIProcessSettings) come
+as JSON through a pipe (the API key and the ticket secret stay off the command line). SIGTERM
+drains as in `roseray serve`; when the replica's process ends, the lifeline pipe ends and this
+process drains and stops too.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 
-from roseray.config import EngineConfig
+from roseray.openai_api.api_processes import APIProcessSettings
 from roseray.openai_api.api_worker import connect_async_engine, read_all, stop_when_parent_dies, worker_parser
 from roseray.openai_api.metrics_share import MetricsShare
 from roseray.openai_api.standalone import build_server
@@ -58,23 +58,25 @@ def main(argv: list[str] | None = None) -> int:
     args = worker_parser("one API process of a roseray engine replica on Ray Serve").parse_args(argv)
     if args.ready_fd is None:
         raise SystemExit("--ready-fd is required: the replica waits for it")
-    settings = json.loads(read_all(args.settings_fd))
-    replica_name = f"{settings.pop('replica_name')}/api{args.index}"
+    settings = APIProcessSettings.decode(read_all(args.settings_fd))
+    if settings.replica_name is None or settings.ticket_secret is None:
+        raise SystemExit("the settings name no replica or ticket secret: the replica sets both")
+    replica_name = f"{settings.replica_name}/api{args.index}"
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s %(levelname)s {replica_name} %(name)s: %(message)s")
     stop_when_parent_dies(args.lifeline_fd)
-    config = EngineConfig(**settings.pop("engine"))
-    engine = connect_async_engine(config, args.commands_fd, args.outputs_fd, stuck_after_s=settings.pop("stuck_after_s"))
-    tickets = TicketSigner(settings.pop("ticket_secret"))  # the Router's signature, as on the replica's own server
+    engine = connect_async_engine(settings.engine, args.commands_fd, args.outputs_fd,
+                                  stuck_after_s=settings.server.stuck_after_s)
+    tickets = TicketSigner(settings.ticket_secret)  # the Router's signature, as on the replica's own server
 
     def say_ready() -> None:
         os.write(args.ready_fd, b"1")
         os.close(args.ready_fd)
 
     sock = socket.socket(fileno=args.socket_fd)
-    build_server(engine, replica_name=replica_name, request_guard=tickets.check_request,
-                 metrics_share=MetricsShare(args.metrics_dir, args.index), wrap_app=lambda app: ServeProbes(app, engine),
-                 on_started=say_ready, **settings).run(sockets=[sock])
+    build_server(engine, settings.server, replica_name=replica_name, request_guard=tickets.check_request,
+                 metrics_share=MetricsShare(args.metrics_dir, args.index),
+                 wrap_app=lambda app: ServeProbes(app, engine), on_started=say_ready).run(sockets=[sock])
     return 0
 
 

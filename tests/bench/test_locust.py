@@ -33,6 +33,7 @@ import pytest
 from roseray.bench import sse_stream
 from roseray.bench.load_shape import ClosedLoopIndex, PoissonArrivals, Workload, parse_range, resolve_prompt_style
 from roseray.bench.sse_stream import StreamResult, read_stream, sse_events
+from tests.waiting import wait_until
 
 pytest.importorskip("matplotlib", reason="the bench extra (locust, matplotlib) is not installed")
 from roseray.bench.locust_report import SampleBook, client_verdict, summarize, table, write_report  # noqa: E402
@@ -305,7 +306,7 @@ class ScriptedServer(BaseHTTPRequestHandler):
         self.end_headers()
         n = 0 if i % 10 == 8 else body["max_tokens"]
         for k in range(1, n + 1):
-            time.sleep(GAP_S)
+            time.sleep(GAP_S)  # a server generating tokens: the behaviour under test
             self.send_chunk(chunk("t", k, finish="length" if k == n else None))
             if i % 10 == 6 and k == 2:
                 self.close_connection = True
@@ -361,11 +362,11 @@ LOAD = ["-u", "16", "-r", "16", "-t", "6s", "--request-rate", "3", "--prompt-tok
 @pytest.fixture(scope="module")
 def ray_app(ray_serve_cluster):
     """The session's Ray Serve cluster (tests/conftest.py), once both replicas answer."""
-    wait_for_both_replicas(ray_serve_cluster.url, time.monotonic() + 150)
+    wait_for_both_replicas(ray_serve_cluster.url, 150)
     return ray_serve_cluster.url
 
 
-def wait_for_both_replicas(url: str, deadline: float) -> None:
+def wait_for_both_replicas(url: str, timeout_s: float) -> None:
     """HAProxy learns the routes a little after serve.run returns: send small bursts until
     both replicas have answered."""
     def one(_):
@@ -378,10 +379,11 @@ def wait_for_both_replicas(url: str, deadline: float) -> None:
 
     seen = set()
     with ThreadPoolExecutor(4) as pool:
-        while len(seen - {None}) < 2:
-            assert time.monotonic() < deadline, f"requests did not reach both replicas (saw {seen})"
+        def both_answered() -> bool:
             seen.update(pool.map(one, range(4)))
-            time.sleep(0.2)
+            return len(seen - {None}) >= 2
+
+        wait_until(both_answered, timeout_s, interval=0.2, message=lambda: f"requests reached only {seen}")
 
 
 class LocustRun:

@@ -27,7 +27,7 @@ def test_prefix_hit_reuses_blocks_and_counts():
     assert bm.allocate_prefix(first, 100)
     compute(bm, first, 10)
     first_blocks = bm.block_tables[first.row, :2].tolist()
-    bm.free(first)  # cached blocks stay, evictable
+    bm.release(first)  # finished: cached blocks stay, evictable
     assert bm.num_free_blocks == 16
 
     second = make_request(1, list(range(9)) + [99])
@@ -54,7 +54,7 @@ def test_eviction_takes_least_recently_freed_and_unpublishes_it():
     req = make_request(0, list(range(8)))
     assert bm.allocate_prefix(req, 100)
     compute(bm, req, 8)
-    bm.free(req)
+    bm.release(req)
     other = make_request(1, [50 + i for i in range(8)])
     assert bm.allocate_prefix(other, 100)  # evicts both cached blocks
     assert other.num_computed_tokens == 0
@@ -67,6 +67,8 @@ def test_allocation_failure_changes_nothing():
     big = make_request(0, list(range(16)))
     assert not bm.allocate_prefix(big, 16)
     assert bm.num_free_blocks == 3 and big.row == -1
+    bm.check_integrity([big])  # it still waits
+    bm.release(big)
     bm.check_integrity([])
 
 
@@ -90,6 +92,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.live.append(req)
         else:
             assert self.bm.num_free_blocks == free_before and req.row == -1
+            self.bm.release(req)  # not admitted: it leaves (its hashes with it)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), n=st.integers(1, 6))
@@ -108,13 +111,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), preempt=st.booleans())
     def release(self, data, preempt):
         req = data.draw(st.sampled_from(self.live))
-        self.bm.free(req)
         self.live.remove(req)
-        if preempt:  # preemption by recompute: the request comes back from scratch
-            req.num_computed_tokens = 0
-            if self.bm.allocate_prefix(req, req.num_tokens):
-                compute(self.bm, req, req.num_tokens - req.num_computed_tokens)
-                self.live.append(req)
+        if not preempt:  # finished
+            self.bm.release(req)
+            return
+        self.bm.free(req)  # preemption by recompute: the request comes back from scratch
+        req.num_computed_tokens = 0
+        if self.bm.allocate_prefix(req, req.num_tokens):
+            compute(self.bm, req, req.num_tokens - req.num_computed_tokens)
+            self.live.append(req)
+        else:
+            self.bm.release(req)
 
     @invariant()
     def accounting_is_exact(self):
@@ -124,7 +131,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def teardown(self):
         for req in self.live:
-            self.bm.free(req)
+            self.bm.release(req)
         self.bm.check_integrity([])
         assert self.bm.num_free_blocks == self.bm.num_blocks  # nothing leaks once no request is left
 

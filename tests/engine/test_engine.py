@@ -36,7 +36,8 @@ def test_one_sampling_params_per_prompt(llm):
 
 
 def test_request_that_can_never_fit_is_refused_with_both_numbers(llm):
-    with pytest.raises(ValueError, match=r"prompt \(3 tokens\) \+ max_tokens \(300\) = 303 tokens exceeds max_model_len \(256\)"):
+    with pytest.raises(ValueError,
+                       match=r"prompt \(3 tokens\) \+ max_tokens \(300\) = 303 tokens exceeds max_model_len \(256\)"):
         llm.generate([[1, 2, 3]], greedy(300), use_tqdm=False)
     small = LLM("random:tiny", device="cpu", block_size=4, num_kv_blocks=8)  # 32 tokens of KV
     with pytest.raises(ValueError, match="can never fit in the KV cache"):
@@ -113,6 +114,7 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(llm):
     others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     batch = llm.generate([[4, 5], [1, 2, 3], [6]], [others, params, others], use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
+    llm.engine.check_integrity()  # no generator kept for a finished request
 
 
 def test_logprobs_are_returned_per_token(llm):
@@ -192,7 +194,8 @@ def test_abort_while_a_step_is_in_flight():
 def test_a_prompt_that_fills_max_model_len_is_refused_not_fatal(llm):
     """With max_tokens unset the output budget is max_model_len - prompt: a prompt that
     leaves none must be refused at admission, not crash the first step."""
-    with pytest.raises(ValueError, match=r"the prompt \(256 tokens\) leaves no room for output within max_model_len \(256\)"):
+    with pytest.raises(ValueError,
+                       match=r"the prompt \(256 tokens\) leaves no room for output within max_model_len \(256\)"):
         llm.generate([[1] * 256], SamplingParams(max_tokens=None), use_tqdm=False)
     assert llm.generate([[1] * 250], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].finish_reason == "length"

@@ -13,7 +13,7 @@ import transformers
 from roseray import LLM, SamplingParams
 from roseray.config import EngineConfig
 from roseray.runtime.async_engine import AsyncLLMEngine
-from tests.models.hf_models import make_tiny_model
+from roseray.runtime.process_client import EngineProcessClient
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -27,8 +27,8 @@ def batch(n=24, seed=0):
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2"])
-def model_path(request, tmp_path_factory):
-    return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+def model_path(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
 
 
 def test_triton_and_cuda_graphs_match_hf_fp32(model_path):
@@ -102,7 +102,7 @@ def test_engine_process_on_cuda_equals_offline(model_path):
         engine = AsyncLLMEngine.from_engine_config(EngineConfig(
             model=str(model_path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
             max_num_batched_tokens=128))
-        assert engine.engine.pid  # an EngineProcessClient: the default on CUDA
+        assert isinstance(engine.client, EngineProcessClient)  # the default on CUDA
         engine.start()
 
         async def one(i, prompt):

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from roseray.engine.logits_processors import apply_penalties
 from roseray.engine.request import Request
-from roseray.engine.sampler import Sampler, apply_penalties
+from roseray.engine.sampler import Sampler
 from roseray.layers import fused
 from roseray.sampling_params import SamplingParams
 
@@ -80,8 +81,6 @@ def test_bf16_logits_with_penalties_logprobs_and_sampling_match_their_fp32_upcas
                 make_request(SamplingParams(temperature=1.2, top_p=0.9, logprobs=2, seed=6)),
                 make_request(SamplingParams(temperature=0.0, min_tokens=3), output=[4])]
     got = Sampler(seed=0)(logits, requests)
-    for req in requests:
-        req.generator = None  # the seeded rows start their generators again
     want = Sampler(seed=0)(logits.float(), requests)
     assert got.token_ids == want.token_ids
     assert got.logprobs == want.logprobs and got.sampled_logprobs == want.sampled_logprobs
@@ -248,6 +247,18 @@ def test_unseeded_sampler_seed_makes_runs_repeatable(fused):
     first = Sampler(seed=9, fused=fused)(logits, requests).token_ids
     assert first == Sampler(seed=9, fused=fused)(logits, requests).token_ids
     assert first != Sampler(seed=10, fused=fused)(logits, requests).token_ids
+
+
+def test_a_seeded_request_keeps_its_generator_until_released():
+    """The sampler keeps a seeded request's generator by request id: its draws go on from
+    step to step, and once the request is released the same id starts afresh."""
+    logits = random_logits(1, 50, seed=7)
+    sampler, params = Sampler(seed=0), SamplingParams(temperature=5.0, seed=11)
+    first = [sampler(logits, [make_request(params, rid="s")]).token_ids[0] for _ in range(20)]
+    assert len(set(first)) > 1  # one generator drawn on: different tokens step after step
+    sampler.release(make_request(params, rid="s"))
+    again = [sampler(logits, [make_request(params, rid="s")]).token_ids[0] for _ in range(20)]
+    assert again == first
 
 
 # --- the fused Gumbel-max path (Triton; interpreted on CPU) -----------------------------------
@@ -419,7 +430,7 @@ def test_cached_prompt_ids_follow_the_request_not_just_its_id():
 def test_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token():
     import torch as _torch
 
-    from roseray.engine.sampler import apply_top_k_top_p
+    from roseray.engine.logits_processors import apply_top_k_top_p
 
     logits = _torch.tensor([[0.0, 3.0, 1.0, 2.0]])
     apply_top_k_top_p(logits, None, _torch.tensor([5e-324], dtype=_torch.float32), num_candidates=4)

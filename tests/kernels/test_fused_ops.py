@@ -23,7 +23,6 @@ from roseray_kernels.activation import silu_and_mul, silu_and_mul_reference
 from roseray_kernels.fused_norm import layernorm, layernorm_reference, rmsnorm, rmsnorm_reference
 from roseray_kernels.rotary import rotary_qk_, rotary_qk_reference
 from roseray_kernels.sampling import gumbel_max_sample, split_columns
-from tests.models.hf_models import make_tiny_model
 from tests.models.test_models import _metadata
 
 ON_CUDA = torch.cuda.is_available()
@@ -146,7 +145,8 @@ def test_rotary_qk_in_place_matches_reference(qk_norm, dtype):
 def test_rotary_at_position_zero_is_the_identity():
     q, k = randn(2, 4, 16), randn(2, 2, 16, seed=1)
     q0, k0 = q.clone(), k.clone()
-    rotary_qk_(q, k, torch.zeros(2, dtype=torch.int64, device=DEVICE), RotaryEmbedding(16, 8, 1e4).cos_sin_cache.to(DEVICE))
+    cos_sin = RotaryEmbedding(16, 8, 1e4).cos_sin_cache.to(DEVICE)
+    rotary_qk_(q, k, torch.zeros(2, dtype=torch.int64, device=DEVICE), cos_sin)
     torch.testing.assert_close(q, q0, atol=0, rtol=0)
     torch.testing.assert_close(k, k0, atol=0, rtol=0)
 
@@ -238,8 +238,8 @@ def test_llama_lm_head_shares_padded_storage_with_tied_embeddings(tie):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
-def test_model_logits_on_the_triton_path_equal_the_torch_path(kind, tmp_path):
-    path = make_tiny_model(kind, tmp_path)
+def test_model_logits_on_the_triton_path_equal_the_torch_path(kind, tiny_checkpoint):
+    path = tiny_checkpoint(kind)
     config = load_model_config(str(path))
     model = load_model(config, str(path), DEVICE, torch.float32)
     prompt = torch.randint(1, config.vocab_size, (9,), generator=torch.Generator().manual_seed(0)).to(DEVICE)

@@ -23,8 +23,8 @@ from tests.models.hf_models import make_tiny_model, set_architecture
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+def tiny_llama(tiny_checkpoint):
+    return tiny_checkpoint("llama")
 
 
 def _load(path, dtype=torch.float32):
@@ -162,17 +162,17 @@ def test_hub_id_in_the_local_cache_resolves_without_network(tiny_llama, tmp_path
 # ---------------------------------------------------------------- config normalisation
 
 
-def test_gpt2_config_is_normalised(tmp_path):
-    config = load_model_config(str(make_tiny_model("gpt2", tmp_path / "g")))
+def test_gpt2_config_is_normalised(tiny_checkpoint):
+    config = load_model_config(str(tiny_checkpoint("gpt2")))
     assert (config.architecture, config.hidden_size, config.num_hidden_layers) == ("gpt2", 64, 2)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 4, 16)
     assert (config.intermediate_size, config.max_position_embeddings) == (256, 128)
     assert config.hidden_act == "gelu_new" and config.tie_word_embeddings
 
 
-def test_qwen_flags(tmp_path):
-    qwen2 = load_model_config(str(make_tiny_model("qwen2", tmp_path / "q2")))
-    qwen3 = load_model_config(str(make_tiny_model("qwen3", tmp_path / "q3")))
+def test_qwen_flags(tiny_checkpoint):
+    qwen2 = load_model_config(str(tiny_checkpoint("qwen2")))
+    qwen3 = load_model_config(str(tiny_checkpoint("qwen3")))
     assert qwen2.attention_bias and not qwen2.o_proj_bias and not qwen2.qk_norm
     assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.hidden_size // qwen3.num_attention_heads == 16
 

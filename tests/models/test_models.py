@@ -10,17 +10,17 @@ import transformers
 
 from roseray.layers.attention import Attention, AttentionMetadata, attention_metadata
 from roseray.models.loader import load_model, load_model_config
-from tests.models.hf_models import KINDS, VOCAB_SIZE, load_hf_model, make_tiny_model
+from tests.models.hf_models import KINDS, VOCAB_SIZE, load_hf_model
 
 BLOCK_SIZE = 4
 ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def checkpoint(request, tmp_path_factory):
+def checkpoint(request, tiny_checkpoint):
     """(kind, path, HF logits of two prompts) for each kind."""
     kind = request.param
-    path = make_tiny_model(kind, tmp_path_factory.mktemp(kind))
+    path = tiny_checkpoint(kind)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, VOCAB_SIZE, (length,), generator=generator) for length in (11, 7)]
     hf_model = load_hf_model(path)

@@ -101,3 +101,16 @@ def test_api_errors_of_the_fast_path_keep_the_openai_shape():
     status, body = call(GenerationFastPath(Inner(), server), "/v1/completions", COMPLETION)
     assert status == 429
     assert body["error"]["code"] == "queue_full" and body["error"]["type"] == "rate_limit_error"
+
+
+def test_unknown_and_refused_fields_are_left_to_fastapi_to_refuse():
+    """The fast path validates with the same models, so a field FastAPI's route refuses
+    (protocol.py) is never served here: FastAPI answers its 400."""
+    inner, server = Inner(), FakeServer()
+    app = GenerationFastPath(inner, server)
+    for extra in ({"temprature": 0.5}, {"guided_json": {"type": "object"}}, {"echo": True}):
+        body = json.dumps({"model": "m", "prompt": "hi", **extra}).encode()
+        assert call(app, "/v1/completions", body) == (200, {"ok": "fastapi"}), extra
+    chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{}]}).encode()
+    assert call(app, "/v1/chat/completions", chat) == (200, {"ok": "fastapi"})
+    assert server.bodies == [] and len(inner.seen) == 4

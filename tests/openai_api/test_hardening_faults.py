@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from roseray.config import EngineConfig
+from roseray.config import EngineConfig, ServerConfig
 from roseray.openai_api.standalone import build_server
 from roseray.runtime.async_engine import AsyncLLMEngine
 from tests.openai_api.test_server_api import MODEL, assert_openai_error, serving, wait_until_idle
@@ -250,7 +250,7 @@ class ModelFault:
 def test_a_failing_model_forward_ends_its_requests_with_errors_then_recovers(caplog):
     config = EngineConfig(model=MODEL, num_kv_blocks=64, max_model_len=256, max_num_seqs=8)
     with serving(config, step_delay_s=0.005) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as client:
-        fault = ModelFault(s.engine.engine)
+        fault = ModelFault(s.engine.client.engine)
         body = {"prompt": "doomed", "max_tokens": 200, "ignore_eos": True}
 
         async def in_flight():
@@ -298,7 +298,7 @@ def test_a_failing_model_forward_ends_its_requests_with_errors_then_recovers(cap
 def test_an_engine_step_that_raises_outside_the_model_fails_everything_clearly():
     config = EngineConfig(model=MODEL, num_kv_blocks=64, max_model_len=256, max_num_seqs=8)
     with serving(config, step_delay_s=0.005) as s, httpx.Client(base_url=s.url, timeout=TIMEOUT) as client:
-        llm, broken = s.engine.engine, threading.Event()
+        llm, broken = s.engine.client.engine, threading.Event()
         real_schedule = llm.scheduler.schedule
 
         def schedule():
@@ -331,7 +331,7 @@ class DrainingServing:
     def __init__(self, drain_timeout_s: float, step_delay_s: float) -> None:
         self.engine = AsyncLLMEngine.from_engine_config(
             EngineConfig(model=MODEL, num_kv_blocks=64, max_model_len=512, max_num_seqs=8), heartbeat_s=0.2)
-        llm = self.engine.engine
+        llm = self.engine.client.engine  # the LLMEngine on its thread
         real_step = llm.step
 
         def slow_step():
@@ -342,8 +342,8 @@ class DrainingServing:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
-        self.server = build_server(self.engine, port=self.port, drain_timeout_s=drain_timeout_s,
-                                   log_level="warning")
+        self.server = build_server(self.engine, ServerConfig(port=self.port, drain_timeout_s=drain_timeout_s,
+                                                             log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
 

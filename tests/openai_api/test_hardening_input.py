@@ -26,7 +26,7 @@ CHAT = [{"role": "user", "content": "x"}]
 def server():
     config = EngineConfig(model=MODEL, num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                           max_logprobs=MAX_LOGPROBS)
-    with serving(config, max_logprobs=MAX_LOGPROBS, max_body_bytes=MAX_BODY_BYTES) as s:
+    with serving(config, max_body_bytes=MAX_BODY_BYTES) as s:  # the app takes max_logprobs from the engine
         yield s
 
 

@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from roseray.config import EngineConfig  # noqa: E402
+from roseray.config import EngineConfig, ServerConfig  # noqa: E402
 from roseray.openai_api import responses  # noqa: E402
 from roseray.openai_api.api import create_app  # noqa: E402
 from roseray.runtime.async_engine import AsyncEngineStats, AsyncLLMEngine  # noqa: E402
@@ -51,9 +51,7 @@ class Target:
         self.engine = AsyncLLMEngine.from_engine_config(
             EngineConfig(model=MODEL, num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
                          max_waiting_requests=64), heartbeat_s=0.2)
-        llm = self.engine.engine
-        self.app = create_app(self.engine, llm.tokenizer, model_name=MODEL, max_model_len=llm.max_model_len,
-                              max_logprobs=llm.config.max_logprobs, drain_timeout_s=1.0)
+        self.app = create_app(self.engine, ServerConfig(drain_timeout_s=1.0))
         self.requests = collections.Counter()
         self.statuses = collections.Counter()
 
@@ -88,8 +86,9 @@ class LazyTarget:
 
 LAZY = LazyTarget()
 # the routes, not the engine, make the schema: an app over a stand-in engine is enough to read it
-schema = schemathesis.openapi.from_dict(create_app(SimpleNamespace(stats=AsyncEngineStats()), None,
-                                                   model_name=MODEL).openapi())
+STAND_IN = SimpleNamespace(stats=AsyncEngineStats(), client=SimpleNamespace(
+    tokenizer=None, model_name=MODEL, max_model_len=MAX_MODEL_LEN, config=EngineConfig(model=MODEL)))
+schema = schemathesis.openapi.from_dict(create_app(STAND_IN, ServerConfig()).openapi())
 schema.app = LAZY
 
 

@@ -16,7 +16,7 @@ import yaml
 
 import roseray
 from roseray import cli
-from roseray.config import EngineConfig
+from roseray.config import EngineConfig, ServerConfig
 from roseray.openai_api import auth
 from roseray.openai_api.api import create_app
 from tests.openai_api.test_server_api import MODEL, REPLICA, assert_openai_error, serving
@@ -46,7 +46,7 @@ def routes_of(app) -> list[tuple[str, str]]:
 # ---- API key -------------------------------------------------------------------------------------------
 def test_api_key_guards_every_route_but_the_probes(keyed_server):
     # `serving` builds its own app; a twin over the same engine lists the same routes
-    routes = routes_of(create_app(keyed_server.engine, keyed_server.tokenizer, model_name=MODEL, api_key=KEY))
+    routes = routes_of(create_app(keyed_server.engine, ServerConfig(api_key=KEY)))
     assert {path for _, path in routes} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/metrics",
                                             "/health", "/ready", f"/v1/models/{MODEL}"}
     body = {"prompt": "x", "max_tokens": 2}
@@ -88,8 +88,12 @@ def test_the_key_is_compared_in_constant_time(keyed_server, monkeypatch):
     assert len(calls) == 4
     expected = hashlib.sha256(f"bearer {KEY}".encode()).digest()
     assert all(len(a) == len(b) == 32 and b == expected for a, b in calls)
-    source = inspect.getsource(auth.ApiKeyMiddleware)
-    assert "compare_digest" in source and " == self._expected" not in source
+    # and compare_digest's answer is the decision: no other comparison lets a request in or keeps it out
+    with httpx.Client(base_url=keyed_server.url, timeout=30) as client:
+        monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: False)
+        assert client.get("/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 401
+        monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: True)
+        assert client.get("/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 200
 
 
 def test_roseray_api_key_from_the_environment(monkeypatch):
@@ -97,12 +101,12 @@ def test_roseray_api_key_from_the_environment(monkeypatch):
     from roseray.ray_serve.app import resolve_api_key
 
     captured = {}
-    monkeypatch.setattr(standalone, "run_standalone", lambda config, **kwargs: captured.update(kwargs))
+    monkeypatch.setattr(standalone, "run_standalone", lambda engine_config, config: captured.update(config=config))
     monkeypatch.setenv("ROSERAY_API_KEY", "from-env")
     assert cli.main(["serve", "--model", MODEL]) == 0
-    assert captured["api_key"] == "from-env"
+    assert captured["config"].api_key == "from-env"
     assert cli.main(["serve", "--model", MODEL, "--api-key", "from-flag"]) == 0
-    assert captured["api_key"] == "from-flag"
+    assert captured["config"].api_key == "from-flag"
     # the Ray app: the config's key, else the replica's environment
     assert resolve_api_key(None) == "from-env" and resolve_api_key("cfg") == "cfg"
     monkeypatch.delenv("ROSERAY_API_KEY")
@@ -113,24 +117,32 @@ def test_roseray_api_key_from_the_environment(monkeypatch):
 
 # ---- loopback defaults -----------------------------------------------------------------------------------
 def test_everything_binds_loopback_by_default():
-    from roseray.openai_api.standalone import build_server, run_standalone
-
     assert cli.build_parser().parse_args(["serve"]).host == "127.0.0.1"
-    for fn in (run_standalone, build_server):
-        assert inspect.signature(fn).parameters["host"].default == "127.0.0.1", fn
+    assert ServerConfig().host == "127.0.0.1"  # what run_standalone, build_server and the API processes bind
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
     assert config["http_options"]["host"] == "127.0.0.1"
 
 
-def test_serve_config_keeps_rays_dashboard_on_localhost():
+def test_serve_config_keeps_rays_dashboard_on_localhost(monkeypatch):
     """serve_config.yaml cannot set the dashboard's address: `serve run` starts Ray with
     ray.init's default, which is loopback, and the config must not open anything wider."""
     import ray
+    from click.testing import CliRunner
     from ray.serve import scripts
 
     assert inspect.signature(ray.init).parameters["dashboard_host"].default == "127.0.0.1"
-    run_source = inspect.getsource(scripts.run.callback)  # `serve run` (a click command)
-    assert "ray.init(" in run_source and "dashboard_host" not in run_source
+    # `serve run serve_config.yaml` up to its ray.init call: it passes no dashboard address
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(scripts.ray, "init", init)
+    monkeypatch.setattr(scripts.ray, "is_initialized", lambda: False)
+    result = CliRunner().invoke(scripts.cli, ["run", str(REPO / "serve_config.yaml")])
+    assert isinstance(result.exception, RuntimeError) and str(result.exception) == "stop here", result.output
+    assert len(calls) == 1 and "dashboard_host" not in calls[0] and "include_dashboard" not in calls[0]
     config = yaml.safe_load((REPO / "serve_config.yaml").read_text())
 
     def values(node):
@@ -155,11 +167,11 @@ def test_serving_beyond_loopback_without_a_key_warns(caplog):
 
     engine = AsyncLLMEngine.from_engine_config(EngineConfig(model=MODEL, num_kv_blocks=8, max_model_len=64))
     with caplog.at_level(logging.WARNING, logger="roseray.openai_api.standalone"):
-        build_server(engine, host="0.0.0.0", port=1)
+        build_server(engine, ServerConfig(host="0.0.0.0", port=1))
         assert "without an API key" in caplog.text
         caplog.clear()
-        build_server(engine, host="0.0.0.0", port=1, api_key=KEY)
-        build_server(engine, port=1)
+        build_server(engine, ServerConfig(host="0.0.0.0", port=1, api_key=KEY))
+        build_server(engine, ServerConfig(port=1))
         assert "without an API key" not in caplog.text
 
 
@@ -220,7 +232,8 @@ def traffic_with_the_secret(url: str, engine) -> None:
         assert client.post("/v1/completions", json={**text, "stop": [""]}).status_code == 400
         with client.stream("POST", "/v1/completions", json={**text, "max_tokens": 100, "stream": True}) as r:
             next(r.iter_lines())
-        model, real_forward = engine.engine.runner.model, engine.engine.runner.model.forward
+        model = engine.client.engine.runner.model  # the LLMEngine on its thread
+        real_forward = model.forward
         model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
         try:
             assert client.post("/v1/completions", json=text).status_code == 500

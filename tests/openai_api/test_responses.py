@@ -5,7 +5,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from roseray.engine.request import RequestDelta
+from roseray.engine.outputs import RequestDelta
 from roseray.openai_api.responses import ResponseBuilder, TokenText
 
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import uvicorn
 
-from roseray.config import EngineConfig
+from roseray.config import EngineConfig, ServerConfig
 from roseray.openai_api.api import create_app
 from roseray.runtime.async_engine import AsyncLLMEngine
 
@@ -22,21 +22,22 @@ REPLICA = "test-replica-0"
 
 
 @contextlib.contextmanager
-def serving(config: EngineConfig, step_delay_s: float = 0.0, **app_kwargs):
-    """Serve the app on a free loopback port. `step_delay_s` slows every engine step, so
-    that long requests are still running when a test acts on them."""
+def serving(config: EngineConfig, step_delay_s: float = 0.0, request_guard=None, **settings):
+    """Serve the app on a free loopback port, with ServerConfig `settings` and `request_guard`.
+    `step_delay_s` slows every engine step, so that long requests are still running when a
+    test acts on them."""
     engine = AsyncLLMEngine.from_engine_config(config, heartbeat_s=0.2)
-    llm = engine.engine
-    if step_delay_s:
-        real_step = llm.step
+    llm = engine.client
+    if step_delay_s:  # the LLMEngine on its thread (an InProcessEngineClient)
+        real_step = llm.engine.step
 
         def slow_step():
             time.sleep(step_delay_s)
             return real_step()
 
-        llm.step = slow_step
-    app = create_app(engine, llm.tokenizer, model_name=MODEL, max_model_len=llm.max_model_len, replica_name=REPLICA,
-                     drain_timeout_s=1.0, **app_kwargs)
+        llm.engine.step = slow_step
+    app = create_app(engine, ServerConfig(**{"drain_timeout_s": 1.0, **settings}), replica_name=REPLICA,
+                     request_guard=request_guard)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

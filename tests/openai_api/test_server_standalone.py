@@ -14,10 +14,10 @@ from tests.conftest import free_port
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SERVER = """
-from roseray.config import EngineConfig
+from roseray.config import EngineConfig, ServerConfig
 from roseray.openai_api.standalone import run_standalone
-run_standalone(EngineConfig(model="random:tiny", num_kv_blocks=64, max_model_len=512), port={port},
-               api_key="sesame", served_model_name="tiny", drain_timeout_s=2, log_level="info")
+run_standalone(EngineConfig(model="random:tiny", num_kv_blocks=64, max_model_len=512),
+               ServerConfig(port={port}, api_key="sesame", served_model_name="tiny", drain_timeout_s=2))
 """
 
 
@@ -40,8 +40,8 @@ def test_standalone_serves_and_drains_on_sigterm():
             time.sleep(0.2)
         auth = {"authorization": "Bearer sesame"}
         chat = httpx.post(url + "/v1/chat/completions", headers=auth, timeout=30,
-                          json={"model": "tiny", "messages": [{"role": "user", "content": "zebra-secret"}], "max_tokens": 4,
-                                "ignore_eos": True})
+                          json={"model": "tiny", "messages": [{"role": "user", "content": "zebra-secret"}],
+                                "max_tokens": 4, "ignore_eos": True})
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 4
         assert chat.headers["x-roseray-replica"].startswith("standalone@")
         assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10).status_code == 401

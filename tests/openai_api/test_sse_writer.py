@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from roseray.engine.request import RequestDelta
+from roseray.engine.outputs import RequestDelta
 from roseray.openai_api.sse_writer import EngineSSEResponse, SSEWriter, send_now
 from roseray.runtime.request_stream import RequestStream
 
@@ -93,7 +93,7 @@ def test_send_now_raises_and_a_resumed_send_fails_with_the_senders_error():
 
 def _writer(transport: Transport, render=render, before_attach=lambda stream: None):
     owner = Owner()
-    stream = RequestStream("r", owner, asyncio.get_running_loop())
+    stream = RequestStream("r", owner._abort, asyncio.get_running_loop())
     before_attach(stream)
     writer = SSEWriter(transport.send, render, render_error, stream)
     stream.attach(writer.on_delta, writer.on_error, writer.flush)
@@ -211,7 +211,7 @@ def test_the_response_sends_headers_then_the_stream_and_aborts_on_disconnect():
         transport = Transport()
         loop = asyncio.get_running_loop()
         owner = Owner()
-        stream = RequestStream("r", owner, loop)
+        stream = RequestStream("r", owner._abort, loop)
         disconnected = asyncio.Event()
 
         async def receive():

@@ -1,7 +1,6 @@
 """haproxy_env's HAProxy wrapper, with the real HAProxy binary and no Ray: it dies with the process
 that started it, never execs itself, and answers HAProxy's own "not served" cases with a 503 in
-the OpenAI error shape. data/haproxy_ray_2_60.cfg is the config Ray 2.60 generated for
-serve_config.yaml's app on one machine (its directory replaced by /STATE)."""
+the OpenAI error shape (on configs that Ray renders)."""
 
 from __future__ import annotations
 
@@ -17,13 +16,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
 
 from roseray.ray_serve import haproxy_env
 from roseray.ray_serve.background import alive, wait_gone
 from tests.conftest import free_port
 from tests.ray_serve.serve_run import port_is_free
 
-RAY_CONFIG = Path(__file__).parent / "data" / "haproxy_ray_2_60.cfg"
 MINIMAL = """global
     maxconn 100
 defaults
@@ -114,17 +113,30 @@ def _json_body(line: str) -> dict:
     return json.loads(shlex.split(line.split(" lf-string ", 1)[1])[0])
 
 
+def _ray_config(directory: Path, backends: dict) -> str:
+    """haproxy.cfg as Ray 2.60 writes it before each (re)start of HAProxy, for `backends`."""
+    directory.mkdir()
+    cfg = HAProxyConfig(socket_path=str(directory / "admin.sock"), server_state_base=str(directory),
+                        server_state_file=str(directory / "state"), has_received_routes=True,
+                        has_received_servers=True)
+    api = HAProxyApi(cfg, backends, config_file_path=str(directory / "haproxy.cfg"))
+    api._generate_config_file_internal()
+    return (directory / "haproxy.cfg").read_text()
+
+
 def test_not_routed_and_not_deployed_become_openai_503s_with_retry_after(tmp_path):
-    ray_config = RAY_CONFIG.read_text()
-    served = _rewrite(tmp_path, ray_config)
+    app = BackendConfig(name="roseray", path_prefix="/",
+                        servers=[ServerConfig("r1", "127.0.0.1", 30001, replica_id="SERVE_REPLICA::roseray#Engine#a")],
+                        ingress_request_router_servers=[ServerConfig("router1", "127.0.0.1", 30100)])
+    served = _rewrite(tmp_path, _ray_config(tmp_path / "app", {"roseray": app}))
     (router_failed, not_found) = _returns(served)
     reason = " hdr X-Serve-Reason %[var(txn.ingress_request_router_failed)] if "
     assert router_failed.startswith(haproxy_env.NOT_ROUTED + reason)
     assert set(_json_body(router_failed)["error"]) == {"message", "type", "param", "code"}
     assert "status 404 content-type text/plain" in not_found, "with the app routed, Ray's 404 stays"
     # before the app's routes exist (Serve starts HAProxy first, and a stop removes them first)
-    starting = _rewrite(tmp_path, "\n".join(line for line in ray_config.splitlines() if "use_backend" not in line))
-    (_, not_deployed) = _returns(starting)
+    starting = _rewrite(tmp_path, _ray_config(tmp_path / "none", {}))
+    (not_deployed,) = _returns(starting)
     assert not_deployed == haproxy_env.NOT_DEPLOYED
     assert _json_body(not_deployed)["error"]["code"] == "not_ready"
     assert _rewrite(tmp_path, served) == served  # a reload's second pass changes nothing

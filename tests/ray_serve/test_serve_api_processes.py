@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from ray.serve._private import build_app as serve_build_app
 from ray.serve._private import constants as serve_constants
 
+from roseray.config import EngineConfig
 from roseray.ray_serve.app import AppArgs, build_app
 from roseray.ray_serve.replica_api_worker import ServeProbes
 from roseray.ray_serve.replica_port import listening_socket_fd
@@ -47,9 +48,10 @@ def built_engine(monkeypatch, gpus: float, **args):
     return serve_build_app.build_app(app, name="roseray").deployments[0]
 
 
-def engine_args(deployment) -> tuple[dict, int]:
+def engine_args(deployment) -> tuple[EngineConfig, int]:
     """(engine config, api processes) the Engine replicas are built with."""
-    return deployment.init_args[0], deployment.init_args[-1]
+    engine_config, server_config, _ = deployment.init_args
+    return engine_config, server_config.api_processes
 
 
 @pytest.mark.parametrize("gpus, args, expected, engine_process", [
@@ -60,7 +62,7 @@ def engine_args(deployment) -> tuple[dict, int]:
 ])
 def test_api_processes_per_replica(monkeypatch, gpus, args, expected, engine_process):
     engine, api_processes = engine_args(built_engine(monkeypatch, gpus, **args))
-    assert api_processes == expected and engine["engine_process"] is engine_process
+    assert api_processes == expected and engine.engine_process is engine_process
 
 
 def test_api_processes_refuse_an_in_process_engine_and_nonsense(monkeypatch):

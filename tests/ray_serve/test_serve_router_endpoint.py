@@ -16,6 +16,7 @@ from roseray.ray_serve import wiring
 from roseray.ray_serve.router_endpoint import RouterEndpoint
 from roseray.ray_serve.routing import HintConfig, RoutingHint, hint_from_body
 from roseray.ray_serve.ticket import TICKET_HEADER, TicketSigner
+from tests.waiting import async_wait_until
 
 SECRET = "s" * 32
 PICK = wiring.ReplicaPick(host="10.0.0.7", port=30001, replica_id="roseray#Engine#abc")
@@ -123,8 +124,7 @@ def test_answers_an_http_1_0_connection_close_request_like_haproxys_lua():
         port = sock.getsockname()[1]
         server = uvicorn.Server(uvicorn.Config(endpoint(), log_level="error", lifespan="on"))
         task = asyncio.create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: server.started, message="uvicorn started")
         body = b'{"prompt": [496], "max_tokens": 2}'
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /internal/route HTTP/1.0\r\nHost: x\r\nConnection: close\r\n"

@@ -7,13 +7,13 @@ import glob
 import json
 import os
 import re
-import time
 
 import pytest
 
 from roseray.ray_serve import router_server, wiring
 from roseray.ray_serve.ticket import TICKET_HEADER, TicketSigner
 from tests.ray_serve.test_serve_router_endpoint import PICK, SECRET, endpoint
+from tests.waiting import async_wait_until, wait_until
 
 
 def lua_request(body: bytes, request_id: str | None = "abc", extra: str = "") -> bytes:
@@ -69,7 +69,7 @@ def test_answers_haproxys_lua_request_with_the_pick_and_a_ticket():
         for i in range(0, len(request), 7):
             writer.write(request[i:i + 7])
             await writer.drain()
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # each piece its own write: the split request is the behaviour under test
         first = await asyncio.wait_for(reader.read(), 10)
         writer.close()
         return first, await exchange(port, lua_request(b"", "req-2"))
@@ -176,28 +176,25 @@ def test_router_replicas_port_is_answered_by_the_lean_server(ray_serve_cluster):
 
 async def _eventually_lean(port: int, timeout_s: float = 30.0) -> bytes:
     """The first answer from the lean server (the take-over follows the replica's start by a moment)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
+    async def lean_answer() -> bytes | None:
         answer = await exchange(port, lua_request(b'{"prompt": [496], "max_tokens": 2}'))
-        if b"x-roseray-router: lean" in answer.partition(b"\r\n\r\n")[0].lower() or loop.time() > deadline:
-            return answer
-        await asyncio.sleep(0.2)
+        return answer if b"x-roseray-router: lean" in answer.partition(b"\r\n\r\n")[0].lower() else None
+
+    return await async_wait_until(lean_answer, timeout_s, interval=0.2, message=f"the lean server on port {port}")
 
 
 def _router_ports(state_dir: str, timeout_s: float = 60.0) -> set[int]:
     """The Router replicas' ports, from the Lua script Serve writes for HAProxy (the controller's
     ingress_request_router_targets; wiring._http_targets(app, routers=True) in a process connected to Ray),
     once HAProxy's config lists them."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ports = set()
+    def ports() -> set[int]:
+        found = set()
         for path in glob.glob(os.path.join(state_dir, "**", "ingress_request_router.lua"), recursive=True):
             with open(path) as f:
-                ports |= {int(p) for p in re.findall(r"port = (\d+)", f.read())}
-        if ports or time.monotonic() > deadline:
-            return ports
-        time.sleep(0.5)
+                found |= {int(p) for p in re.findall(r"port = (\d+)", f.read())}
+        return found
+
+    return wait_until(ports, timeout_s, interval=0.2, message="a Router port in HAProxy's Lua")
 
 
 @pytest.mark.parametrize("closable", [True, False])

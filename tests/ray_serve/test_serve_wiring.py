@@ -2,21 +2,26 @@
 
 Every assertion here names a hook the HAProxy data path depends on. If a Ray upgrade
 breaks one, this file fails first and says which; fix wiring.py (and haproxy_env.py)
-before touching anything else. tests/test_serve_e2e.py runs the real thing."""
+before touching anything else. tests/ray_serve/test_serve_e2e.py runs the real thing.
 
+HAProxy's side is checked on the config Ray itself renders (HAProxyApi with one routed
+backend), so a template change shows up as the rendered text roseray's wrapper rewrites."""
+
+import asyncio
+import contextlib
 import inspect
 import os
 import re
 import subprocess
+import types
 
 import pytest
 import ray
 from ray.serve import Application
 from ray.serve._private import build_app as serve_build_app
 from ray.serve._private import constants as serve_constants
-from ray.serve._private import haproxy as serve_haproxy
-from ray.serve._private import haproxy_templates
 from ray.serve._private.common import ReplicaID
+from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
 from ray.serve._private.request_router.replica_wrapper import ReplicaSelection
 from ray.serve._private.router import AsyncioRouter, SingletonThreadRouter
 from ray.serve.handle import DeploymentHandle
@@ -26,6 +31,23 @@ from roseray.ray_serve import app as roseray_app
 from roseray.ray_serve import haproxy_env, wiring
 from roseray.ray_serve.routing import KVQueueRequestRouter
 
+ROUTED_REPLICA = "SERVE_REPLICA::roseray#Engine#abc"
+
+
+@pytest.fixture(scope="module")
+def ray_haproxy_config(tmp_path_factory) -> tuple[str, str]:
+    """(haproxy.cfg, ingress_request_router.lua) as Ray 2.60 writes them for one app whose
+    Engine replica is reached through an ingress request router (the Router deployment)."""
+    d = tmp_path_factory.mktemp("hap")
+    cfg = HAProxyConfig(socket_path=str(d / "admin.sock"), server_state_base=str(d),
+                        server_state_file=str(d / "state"), has_received_routes=True, has_received_servers=True)
+    backend = BackendConfig(name="roseray", path_prefix="/",
+                            servers=[ServerConfig("r1", "127.0.0.1", 30001, replica_id=ROUTED_REPLICA)],
+                            ingress_request_router_servers=[ServerConfig("router1", "127.0.0.1", 30100)])
+    api = HAProxyApi(cfg, {"roseray": backend}, config_file_path=str(d / "haproxy.cfg"))
+    api._generate_config_file_internal()  # what HAProxyApi runs before each (re)start of HAProxy
+    return (d / "haproxy.cfg").read_text(), (d / "ingress_request_router.lua").read_text()
+
 
 def test_ray_is_the_pinned_version():
     assert ray.__version__ == wiring.PINNED_RAY_VERSION, "Ray moved: re-check every hook in roseray/ray_serve/wiring.py"
@@ -33,14 +55,49 @@ def test_ray_is_the_pinned_version():
 
 
 def test_ingress_request_router_hook_exists():
-    assert hasattr(Application, "_with_ingress_request_router")
-    assert "_ingress_request_router" in inspect.getsource(Application._with_ingress_request_router)
+    # what it does is checked on a built app: test_build_app_builds_engine_with_router_as_its_ingress_request_router
+    assert callable(Application._with_ingress_request_router)
 
 
-def test_choose_replica_still_takes_reserve_false():
+def test_choose_replica_with_reserve_false_picks_the_first_ranked_replica_without_reserving():
+    """AsyncioRouter.choose_replica(_reserve=False) on a stand-in router: the request router's
+    first candidate comes back, no slot is reserved, and `_reserve` does not reach the request."""
+    replica = types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id="abc"), node_id="n1",
+                                    _replica_info=types.SimpleNamespace(node_ip="10.0.0.2", port=30001),
+                                    availability_zone=None, replica_metadata={})
+    seen = []
+
+    async def ranked(pending):
+        seen.append(pending)
+        yield [replica, "second"]
+
+    async def no_reservation(pending):
+        raise AssertionError("reserved a slot")
+
+    async def resolved(pending):
+        return None
+
+    async def run():
+        initialized = asyncio.Event()
+        initialized.set()
+        router = types.SimpleNamespace(
+            _deployment_available=True, _request_router_initialized=initialized,
+            _metrics_manager=types.SimpleNamespace(wrap_request_assignment=lambda meta: contextlib.nullcontext()),
+            _resolve_args_with_metrics=resolved, _pick_and_reserve_replica=no_reservation,
+            _active_request_router=types.SimpleNamespace(_choose_replicas_with_backoff=ranked),
+            _make_upstream_crash_error=lambda error: error)
+        meta = types.SimpleNamespace(call_method="__call__")
+        async with AsyncioRouter.choose_replica(router, meta, "hint", _reserve=False) as selection:
+            return selection
+
+    selection = asyncio.run(run())
+    assert (selection.node_ip, selection.port, selection._replica) == ("10.0.0.2", 30001, replica)
+    assert selection._slot_token is None
+    assert seen[0].args == ["hint"] and "_reserve" not in seen[0].kwargs
+    # the handle's router runs AsyncioRouter's on its own loop and reads the flag only to decide on
+    # cancellation: a one-line pin (Ray is pinned exactly, and a stand-in loop would test nothing more)
+    assert '"_reserve"' in inspect.getsource(SingletonThreadRouter.choose_replica)
     assert "choose_replica" in dir(DeploymentHandle)
-    for router in (AsyncioRouter, SingletonThreadRouter):
-        assert '"_reserve"' in inspect.getsource(router.choose_replica), router
     fields = ReplicaSelection.__dataclass_fields__
     assert "_replica" in fields
     assert isinstance(RunningReplica.backend_http_endpoint, property)
@@ -48,16 +105,17 @@ def test_choose_replica_still_takes_reserve_false():
     assert callable(ReplicaID.to_full_id_str)
 
 
-def test_router_answer_contract_with_haproxy():
+def test_router_answer_contract_with_haproxy(ray_haproxy_config):
+    config, lua = ray_haproxy_config
     assert wiring.HEADERS_FIELD == "request_headers"
     assert wiring.ROUTER_HEADER_PREFIX == "x-serve-router-"
-    lua = (os.path.dirname(serve_haproxy.__file__) + "/ingress_request_router.lua.tmpl")
-    with open(lua) as f:
-        lua_source = f.read()
-    assert '"replica_id"' in lua_source and '"request_headers"' in lua_source and "req_set_header" in lua_source
-    # HAProxy must strip client-sent router headers, or a client could forge a ticket
-    assert re.search(r"del-header \{\{ ingress_request_router_header_prefix \}\} -m beg",
-                     inspect.getsource(haproxy_templates))
+    # the Lua reads the answer's replica_id (mapped to our replica's server) and sets its request_headers
+    assert '"replica_id"' in lua and '"request_headers"' in lua and "req_set_header" in lua
+    assert ROUTED_REPLICA in lua
+    # HAProxy must strip client-sent router headers before the router runs, or a client could forge a ticket
+    frontend = config[config.index("frontend http_frontend"):]
+    strip = frontend.index(f"http-request del-header {wiring.ROUTER_HEADER_PREFIX} -m beg")
+    assert strip < frontend.index("http-request lua.route_via_ingress_request_router")
     answer = wiring.route_answer(wiring.ReplicaPick("127.0.0.1", 30001, "SERVE_REPLICA::a#Engine#x"),
                                  {"x-serve-router-roseray-ticket": "v1.1.ab"})
     assert answer["request_headers"] == {"x-serve-router-roseray-ticket": "v1.1.ab"}
@@ -65,57 +123,68 @@ def test_router_answer_contract_with_haproxy():
         wiring.route_answer(wiring.ReplicaPick("h", 1, "r"), {"x-ticket": "v"})  # a client could send it
 
 
-def test_haproxy_template_side_binds_are_what_the_loopback_wrapper_rewrites(tmp_path):
-    source = inspect.getsource(haproxy_templates)
-    assert "bind :{{ config.metrics_port }}" in source and "bind *:{{ config.stats_port }}" in source
-    assert re.search(r"stats socket \{\{ config.socket_path \}\} mode 666", source)
-    cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text("global\n    stats socket /x/admin.sock mode 666 level admin\n"
-                   "frontend prometheus\n    bind :9101\n    mode http\n"
-                   "frontend http_frontend\n    bind *:8000\n"
-                   "listen stats\n  bind *:8404\n  stats enable\n")
-    wrapper = haproxy_env.write_wrapper(str(tmp_path / "hap"), real_binary="/bin/true")
-    subprocess.run([wrapper, "-db", "-f", str(cfg)], check=True, timeout=30)
-    text = cfg.read_text()
-    assert "bind 127.0.0.1:9101" in text and "bind 127.0.0.1:8404" in text
-    assert "bind *:8000" in text  # the client-facing bind follows http_options.host, untouched
-    assert "mode 600" in text and "mode 666" not in text
+def _section(config: str, head: str) -> str:
+    """One section of an HAProxy config: from its head line to the next unindented line."""
+    start = config.index(head + "\n")
+    following = re.search(r"^\S", config[start + len(head) + 1:], re.M)
+    return config[start:start + len(head) + 1 + following.start()] if following else config[start:]
+
+
+def test_the_wrapper_puts_rays_side_listeners_on_loopback(tmp_path, ray_haproxy_config):
+    config, _ = ray_haproxy_config
+    # Ray's own rendering listens on every interface for its metrics and stats, with a world-writable socket
+    assert re.search(r"^\s+bind :\d+$", _section(config, "frontend prometheus"), re.M)
+    assert re.search(r"^\s+bind \*:\d+$", _section(config, "listen stats"), re.M)
+    assert re.search(r"stats socket \S+ mode 666", config)
+    text = _through_the_wrapper(tmp_path, config, "-db")
+    metrics, stats = _section(text, "frontend prometheus"), _section(text, "listen stats")
+    assert re.search(r"^\s+bind 127\.0\.0\.1:\d+$", metrics, re.M), metrics
+    assert re.search(r"^\s+bind 127\.0\.0\.1:\d+$", stats, re.M), stats
+    # the client-facing bind follows http_options.host, untouched (the frontend's other change, the
+    # router's failure answer: tests/ray_serve/test_haproxy_wrapper.py)
+    binds = [re.findall(r"^\s+bind .*$", _section(c, "frontend http_frontend"), re.M) for c in (text, config)]
+    assert binds[0] == binds[1] and binds[0]
+    assert re.search(r"stats socket \S+ mode 600", text) and "mode 666" not in text
     assert oct(os.stat(tmp_path / "hap").st_mode & 0o777) == "0o700"
 
 
-def test_the_wrapper_drops_the_splice_options_only_when_told(tmp_path, monkeypatch):
-    assert re.search(r"option splice-request\s+option splice-response", inspect.getsource(haproxy_templates))
-    config = ("defaults\n    mode http\n    option splice-request\n    option splice-response\n"
-              "    option http-no-delay\n")
-    assert _through_the_wrapper(tmp_path, config) == config  # Ray's options by default
+def test_the_wrapper_drops_the_splice_options_only_when_told(tmp_path, monkeypatch, ray_haproxy_config):
+    config, _ = ray_haproxy_config
+    assert re.search(r"option splice-request\s+option splice-response", config)
+    default = _through_the_wrapper(tmp_path, config)
+    assert re.search(r"option splice-request\s+option splice-response", default)  # Ray's options by default
     monkeypatch.setenv(haproxy_env.SPLICE_ENV, "0")
-    assert _through_the_wrapper(tmp_path, config) == "defaults\n    mode http\n    option http-no-delay\n"
+    text = _through_the_wrapper(tmp_path, config)
+    assert "splice" not in text
+    assert text == re.sub(r"    option splice-(request|response)\n", "", default)
 
 
-def _through_the_wrapper(tmp_path, config: str) -> str:
+def _through_the_wrapper(tmp_path, config: str, *flags: str) -> str:
     """The HAProxy config `config` as the wrapper leaves it (with /bin/true as HAProxy)."""
     wrapper = haproxy_env.write_wrapper(str(tmp_path / "hap"), real_binary="/bin/true")
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text(config)
-    subprocess.run([wrapper, "-f", str(cfg)], check=True, timeout=30)
+    subprocess.run([wrapper, *flags, "-f", str(cfg)], check=True, timeout=30)
     return cfg.read_text()
 
 
-def test_the_wrapper_sets_the_routed_backends_reuse_mode_only_when_told(tmp_path, monkeypatch):
-    assert "http-reuse always" in inspect.getsource(haproxy_templates)
-    config = ("backend app-via-ingress-request-router\n    retry-on conn-failure empty-response\n"
-              "    http-reuse always\n    server r1 127.0.0.1:30001\n"
-              "backend app\n    http-reuse always\n")
-    assert _through_the_wrapper(tmp_path, config) == config  # Ray's mode by default
+def test_the_wrapper_sets_the_routed_backends_reuse_mode_only_when_told(tmp_path, monkeypatch, ray_haproxy_config):
+    config, _ = ray_haproxy_config
+    routed, plain = "backend roseray-via-ingress-request-router", "backend roseray"
+    assert "http-reuse always" in _section(config, routed) and "http-reuse always" in _section(config, plain)
+    default = _through_the_wrapper(tmp_path, config)
+    assert "http-reuse always" in _section(default, routed)  # Ray's mode by default
     monkeypatch.setenv(haproxy_env.REUSE_ENV, "never")
-    # the routed backend's only
-    assert _through_the_wrapper(tmp_path, config) == config.replace("always\n    server", "never\n    server")
+    text = _through_the_wrapper(tmp_path, config)
+    assert _section(text, routed) == _section(default, routed).replace("http-reuse always", "http-reuse never")
+    assert _section(text, plain) == _section(default, plain)  # the routed backend's only
 
 
 def test_serve_proxy_fallback_is_recognised_by_its_port():
     from ray.serve._private import proxy_state
 
-    assert "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT" in inspect.getsource(proxy_state)
+    # Serve starts its fallback proxy on this port (ProxyStateManager, a private detail of the pinned Ray)
+    assert proxy_state.RAY_SERVE_FALLBACK_PROXY_HTTP_PORT == serve_constants.RAY_SERVE_FALLBACK_PROXY_HTTP_PORT
     port = serve_constants.RAY_SERVE_FALLBACK_PROXY_HTTP_PORT
     assert wiring.came_through_serve_proxy({"server": ("127.0.0.1", port)})
     assert not wiring.came_through_serve_proxy({"server": ("127.0.0.1", 30001)})
@@ -130,8 +199,8 @@ def test_haproxy_env_names_flags_serve_reads(tmp_path):
 
 
 def test_haproxy_env_bounds_the_router_body_buffer(tmp_path):
-    """Ray's 8 MiB tune.bufsize with forwarded bodies costs HAProxy ~1-3 ms per request of a
-    burst (scripts/ray_burst_probe.py); roseray sets 64 KiB, only when bodies are forwarded."""
+    """Ray's 8 MiB tune.bufsize with forwarded bodies slows HAProxy's admission of a burst;
+    roseray sets 64 KiB, only when bodies are forwarded."""
     name = "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE"
     assert serve_constants.RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE == 8 * 1024 * 1024  # Ray's default
     assert haproxy_env.haproxy_env(str(tmp_path / "hap"))[name] == str(64 * 1024)

@@ -1,6 +1,6 @@
-"""AsyncLLMEngine over the real engine (random:tiny): streams, one hand-off per step,
-abort frees blocks within one step, queue limit, idle without spinning, liveness,
-a dying loop, drain."""
+"""AsyncLLMEngine over the real engine on its own thread (InProcessEngineClient, random:tiny):
+streams, at most one hand-off per step, abort frees blocks within one step, queue limit,
+idle without spinning, liveness, a dying engine thread, drain."""
 
 import asyncio
 import threading
@@ -11,6 +11,7 @@ import pytest
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
 from roseray.runtime.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState, QueueFullError
+from roseray.runtime.in_process_client import InProcessEngineClient
 from roseray.sampling_params import SamplingParams
 
 MAX_NUM_SEQS = 4
@@ -27,16 +28,17 @@ class CountingEngine(AsyncLLMEngine):
 
     num_hand_offs = 0
 
-    def _on_step(self, *args) -> None:
+    def _hand_off(self, *args) -> None:
         self.num_hand_offs += 1
-        super()._on_step(*args)
+        super()._hand_off(*args)
 
 
 def run(llm, body, **kwargs):
     """Run `body(engine)` on a fresh event loop with a fresh AsyncLLMEngine over `llm`;
-    the loop thread is always stopped and the engine left with no requests."""
+    the engine thread is always stopped and the engine left with no requests."""
     kwargs.setdefault("max_waiting_requests", 16)
-    engine = CountingEngine(llm, **kwargs)
+    kwargs.setdefault("max_running", MAX_NUM_SEQS)
+    engine = CountingEngine(InProcessEngineClient(llm), **kwargs)
 
     async def main():
         engine.start()
@@ -108,9 +110,15 @@ def test_full_queue_refuses_with_retry_after(llm):
     async def body(engine):
         streams = [await engine.add_request(f"run{i}", [1, 2, 3], params(300)) for i in range(MAX_NUM_SEQS)]
         streams.append(await engine.add_request("waits", [1, 2, 3], params(300)))
-        assert engine.stats.num_waiting == 1
+        # the adds the engine has not shown in its stats yet count against the queue at once
         with pytest.raises(QueueFullError) as refused:
             await engine.add_request("refused", [1, 2, 3], params(4))
+        deadline = time.monotonic() + 10
+        while engine.stats.num_waiting != 1:
+            assert time.monotonic() < deadline, engine.stats
+            await asyncio.sleep(0.005)
+        with pytest.raises(QueueFullError):  # and once they are there
+            await engine.add_request("refused-again", [1, 2, 3], params(4))
         for stream in streams:
             stream.close()
         return refused.value
@@ -238,3 +246,18 @@ def test_check_health_fails_after_consecutive_failed_model_steps(llm, monkeypatc
         engine.check_health()
 
     run(llm, body, max_failed_steps=3)
+
+
+def test_after_shutdown_the_engine_on_its_thread_is_left_consistent_and_still_checkable(llm):
+    """Stopping aborts what is left (its blocks are freed); the engine outlives its thread, so
+    the integrity check still runs, on the caller's thread."""
+    async def body(engine):
+        stream = await engine.add_request("cut", [1, 2, 3], params(300))
+        await stream.__anext__()
+        await engine.shutdown()
+        with pytest.raises(EngineUnavailableError, match="shutting down"):
+            await collect(stream)
+        return await engine.check_integrity()
+
+    counts = run(llm, body)
+    assert counts["num_free_blocks"] == counts["num_total_blocks"] and counts["num_running"] == 0

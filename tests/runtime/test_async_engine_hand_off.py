@@ -1,15 +1,17 @@
-"""AsyncLLMEngine's hand-offs over a fake engine (no model): hand-offs that queue up while
-the event loop is busy are taken by one callback, an attached stream gets every delta in
-order and one flush per such callback, never one per step."""
+"""AsyncLLMEngine's hand-offs over a fake engine (no model) on its own thread: steps that
+queue up while the event loop is busy are taken by one hand-off, an attached stream gets
+every delta in order and one flush per hand-off, never one per step."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from roseray.engine.engine import EngineStats
-from roseray.engine.request import RequestDelta, RequestSummary
+from roseray.config import EngineConfig
+from roseray.engine.limits import RequestLimits
+from roseray.engine.outputs import EngineStats, RequestDelta, RequestSummary
 from roseray.runtime.async_engine import AsyncLLMEngine
+from roseray.runtime.in_process_client import InProcessEngineClient
 from roseray.sampling_params import SamplingParams
 
 STEP_S = 0.002
@@ -17,6 +19,11 @@ STEP_S = 0.002
 
 class OneTokenPerStep:
     """LLMEngine's step contract: every running request gets one token per step."""
+
+    config = EngineConfig(model="fake")
+    tokenizer = None
+    model_name = "fake"
+    limits = RequestLimits(vocab_size=100, max_model_len=1000, max_logprobs=0, num_blocks=100, block_size=16)
 
     def __init__(self) -> None:
         self.requests: dict[str, list] = {}
@@ -33,7 +40,7 @@ class OneTokenPerStep:
         return bool(self.requests)
 
     def get_stats(self):
-        return EngineStats(len(self.requests), 0, 100, 100, 0.0, 0, 0, 0, 0, 0)
+        return EngineStats(num_running=len(self.requests), num_free_blocks=100, num_total_blocks=100)
 
     def step(self):
         time.sleep(STEP_S)
@@ -52,14 +59,14 @@ class OneTokenPerStep:
 class CountingEngine(AsyncLLMEngine):
     num_takes = 0
 
-    def _take_hand_offs(self) -> None:
+    def _hand_off(self, *args) -> None:
         self.num_takes += 1
-        super()._take_hand_offs()
+        super()._hand_off(*args)
 
 
 def test_hand_offs_queued_while_the_loop_is_busy_are_taken_together_and_flushed_once():
     fake = OneTokenPerStep()
-    engine = CountingEngine(fake, max_waiting_requests=16, max_running=16)
+    engine = CountingEngine(InProcessEngineClient(fake), max_waiting_requests=16, max_running=16)
     num_tokens = 40
 
     async def main():
@@ -72,6 +79,7 @@ def test_hand_offs_queued_while_the_loop_is_busy_are_taken_together_and_flushed_
                 log = events[stream.request_id]
                 stream.attach(lambda d, log=log: log.append(d.num_output_tokens),
                               lambda error, log=log: log.append(error), lambda log=log: log.append("flush"))
+            await asyncio.sleep(0)  # this loop iteration ends: its adds go to the engine
             time.sleep(num_tokens * STEP_S / 2)  # the event loop is busy while the engine steps on
             while not all(s.finished for s in streams):
                 await asyncio.sleep(STEP_S)

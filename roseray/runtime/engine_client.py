@@ -1,0 +1,110 @@
+"""EngineClient: what AsyncLLMEngine drives, whatever the engine runs in.
+
+One class per transport: InProcessEngineClient (the engine on a thread of this process,
+in_process_client.py) and EngineProcessClient (the engine in a child process,
+process_client.py); make_engine_client (transports.py) picks one. Only the event loop's
+thread calls a client. It watches `outputs_fd`, and when that is readable it calls
+`read_outputs()`, which returns every delta that arrived since the last call (one or
+several engine steps' worth) without waiting. `add_request` checks a request at once
+(ValueError says why it can never run) and holds it until `flush_commands()`; an abort or
+an integrity check sends the held adds first, so it never overtakes one.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+from roseray.config import EngineConfig
+from roseray.engine.limits import RequestLimits
+from roseray.engine.outputs import EngineStats, RequestDelta
+from roseray.sampling_params import SamplingParams
+
+
+class EngineError(RuntimeError):
+    """The engine failed a step (carries its error's repr) or went away (its process or thread)."""
+
+
+class EngineClient(abc.ABC):
+    """The engine as the async engine and the server see it (see the module docstring)."""
+
+    config: EngineConfig
+    tokenizer: object
+    model_name: str
+    max_model_len: int
+    limits: RequestLimits
+    # the error of the engine's latest failed step (a new object for each failure), or None
+    last_error: BaseException | None
+    # called with the seconds from the engine handing a step's outputs over to this client
+    # reading them (one time.monotonic() clock for all processes of a host): a reader that
+    # falls behind, or waits for its event loop, reads late
+    on_message_delay: Callable[[float], None] | None
+
+    def __init__(self, config: EngineConfig, tokenizer, model_name: str, limits: RequestLimits) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.limits = limits
+        self.max_model_len = limits.max_model_len
+        self.last_error = None
+        self.on_message_delay = None
+        self.num_steps_read = 0  # engine steps whose outputs read_outputs() has returned
+        self.num_adds_sent = 0  # adds sent to the engine (flush_commands, or before an abort or a check)
+        self.num_adds_applied = 0  # of those, the ones the engine had taken as of get_stats()
+
+    def prepare(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[int]:
+        """The prompt's token ids, checked against the engine's limits (ValueError if it can never run)."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self.limits.check(token_ids, sampling_params)
+        return token_ids
+
+    @property
+    @abc.abstractmethod
+    def outputs_fd(self) -> int:
+        """Readable when outputs (deltas, an integrity reply, the engine's end) are waiting."""
+
+    @abc.abstractmethod
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams, *,
+                    arrival_time: float | None = None) -> None:
+        """Check the request (ValueError) and hold it until flush_commands()."""
+
+    @abc.abstractmethod
+    def flush_commands(self) -> int:
+        """Send the adds held back as one command; returns how many went."""
+
+    @abc.abstractmethod
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ones are ignored); its last delta says "abort"."""
+
+    @abc.abstractmethod
+    def read_outputs(self) -> list[RequestDelta]:
+        """Every delta that arrived since the last call, without waiting. Raises EngineError
+        when the engine is gone."""
+
+    @abc.abstractmethod
+    def has_unfinished_requests(self) -> bool:
+        """Requests added and not yet finished, as far as this side has read."""
+
+    @abc.abstractmethod
+    def get_stats(self) -> EngineStats:
+        """The engine's stats as of the last outputs read."""
+
+    @abc.abstractmethod
+    def send_integrity_check(self) -> int:
+        """Ask for the engine's accounting check between two steps; returns its call id.
+        The reply comes with the outputs (integrity_replied, then take_integrity_reply)."""
+
+    @abc.abstractmethod
+    def integrity_replied(self, call_id: int) -> bool: ...
+
+    @abc.abstractmethod
+    def take_integrity_reply(self, call_id: int) -> None:
+        """AssertionError when the check failed."""
+
+    @abc.abstractmethod
+    def heartbeat(self) -> float:
+        """When the engine last showed progress (time.monotonic(); now when it has nothing to do)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the engine (it finishes the step it is in) and wait for it; may block."""
