@@ -35,12 +35,11 @@ $(VENV)/.installed-test: pyproject.toml Makefile | $(BIN)/python
 install: $(VENV)/.installed-serve
 install-test: $(VENV)/.installed-test
 
-# HAProxy-mode flags must be in Ray's environment when it starts (roseray.ray_serve.haproxy_env).
-# preflight: a taken port is one line and exit 1, before Ray starts. exec: make's SIGTERM reaches
-# `serve run` itself (a shell in between would die and leave it running).
+# `serve run` with haproxy_env's flags (HAProxy mode must be in Ray's environment when it starts),
+# after a taken-port check (one line, exit 1, before Ray starts); Ctrl-C and SIGTERM both stop it
+# gracefully (roseray.ray_serve.foreground).
 serve: install
-	$(BIN)/python -m roseray.ray_serve.preflight $(SERVE_CONFIG)
-	eval "$$($(BIN)/python -m roseray.ray_serve.haproxy_env $(HAPROXY_DIR_ARG))" && exec $(BIN)/serve run $(SERVE_CONFIG)
+	$(BIN)/python -m roseray.ray_serve.foreground $(SERVE_CONFIG) $(HAPROXY_DIR_ARG)
 
 # the same in the background (pid file and log in /tmp/roseray-serve-<uid>); `make stop` stops it
 # and everything it started. SERVE_CONFIG: another Serve config; HAPROXY_DIR: haproxy_env's --dir

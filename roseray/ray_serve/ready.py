@@ -2,14 +2,16 @@
 
     roseray ready at http://HOST:PORT (model M, N replicas, KV capacity K tokens)
 
-"Ready" is tested, not assumed: a POST through this node's HAProxy must come back from an
-engine replica, which takes HAProxy, the app's routes, a Router (HAProxy asks one for every
-POST) and an engine replica. The probe's path is one the engine's app does not serve, so it
-generates nothing and leaves the request metrics alone: its JSON 404 (or 401 with an
-api_key) comes from an engine, while HAProxy's own answers before that are 503s (see
-haproxy_env's NOT_DEPLOYED and NOT_ROUTED) or a refused connection. N is the engine replicas
-HAProxy lists then; K is their KV cache in tokens, all replicas together (one replica's
-`kv_total` routing stat times N: they share one engine config).
+"Ready" is tested, not assumed: completions through this node's HAProxy must come back from
+an engine replica with the Router's ticket, which takes HAProxy, the app's routes, a Router
+(HAProxy asks one for every POST) and an engine replica. The probe names a model nobody
+serves, so it generates nothing: an engine that got it through the Router answers 404
+model_not_found (401 when the app has an api_key), one that got it without the Router's
+ticket (HAProxy before it knows the Router) 503 not_routed, and HAProxy itself 503s (see
+haproxy_env's NOT_DEPLOYED and NOT_ROUTED) or refuses the connection before that. Two such
+answers in a row count. N is the engine replicas HAProxy lists then; K is their KV cache in
+tokens, all replicas together (one replica's `kv_total` routing stat times N: they share one
+engine config).
 """
 
 from __future__ import annotations
@@ -28,18 +30,20 @@ from roseray.ray_serve import wiring
 # Serve's replica logger: its lines reach `serve run`'s terminal and the replica's log file
 logger = logging.getLogger("ray.serve")
 
-PROBE_PATH = "/v1/roseray-ready-probe"
+PROBE_PATH = "/v1/completions"
+PROBE_BODY = json.dumps({"model": "roseray-ready-probe (no such model)", "prompt": "ready?", "max_tokens": 1})
+PROBE_SUCCESSES = 2  # routed answers in a row
 PROBE_PERIOD_S = 0.5
 PROBE_TIMEOUT_S = 5.0
 
 
 async def http_post(host: str, port: int, path: str, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[int, bytes]:
-    """(status, body) of an empty-bodied HTTP/1.0 POST; OSError / TimeoutError when no answer."""
+    """(status, body) of an HTTP/1.0 POST of PROBE_BODY; OSError / TimeoutError when no answer."""
     async def exchange() -> bytes:
         reader, writer = await asyncio.open_connection(host, port)
         try:
             writer.write(f"POST {path} HTTP/1.0\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: 2\r\n\r\n{{}}".encode())
+                         f"Content-Length: {len(PROBE_BODY)}\r\n\r\n{PROBE_BODY}".encode())
             await writer.drain()
             return await reader.read()
         finally:
@@ -54,9 +58,10 @@ async def http_post(host: str, port: int, path: str, timeout_s: float = PROBE_TI
     return status, body
 
 
-def engine_answered(status: int, body: bytes) -> bool:
-    """Whether a probe's answer came from an engine replica's app (see the module docstring)."""
-    if status >= 500:
+def routed_to_an_engine(status: int, body: bytes) -> bool:
+    """Whether a probe's answer came from an engine replica that got it through the Router (see
+    the module docstring)."""
+    if status not in (401, 404):
         return False
     try:
         return "error" in json.loads(body)
@@ -103,12 +108,13 @@ class ReadyAnnouncement:
 
     async def _announce(self) -> str | None:
         host, port, url = await asyncio.to_thread(wiring.local_http_address)
-        while True:
+        successes = 0
+        while successes < PROBE_SUCCESSES:
             try:
-                if engine_answered(*await self.post(host, port, PROBE_PATH)):
-                    break
+                routed = routed_to_an_engine(*await self.post(host, port, PROBE_PATH))
             except (OSError, TimeoutError):
-                pass
+                routed = False
+            successes = successes + 1 if routed else 0
             await asyncio.sleep(PROBE_PERIOD_S)
         replicas = len(await asyncio.to_thread(wiring.engine_http_targets, self.app_name))
         while True:  # one replica's KV blocks from its routing stats (every replica has the same engine config)

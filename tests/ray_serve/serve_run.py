@@ -97,19 +97,22 @@ class ServeRun:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_serving(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Until a completion comes back through HAProxy."""
+    def wait_serving(self, timeout_s: float = START_TIMEOUT_S, in_a_row: int = 3) -> None:
+        """Until completions come back through HAProxy `in_a_row` times in a row (for a moment after
+        the first, HAProxy may still send one past the Router: 503 not_routed)."""
         deadline = time.monotonic() + timeout_s
+        successes = 0
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"serve run exited:\n{self.log()[-4000:]}"
             try:
                 reply = httpx.post(f"{self.url}/v1/completions", timeout=10,
                                    json={"model": SMALL_ENGINE["model"], "prompt": "hi", "max_tokens": 1})
-                if reply.status_code == 200:
-                    return
+                successes = successes + 1 if reply.status_code == 200 else 0
             except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+                successes = 0
+            if successes == in_a_row:
+                return
+            time.sleep(0.3)
         raise AssertionError(f"not serving after {timeout_s} s:\n{self.log()[-4000:]}")
 
     def signal_and_wait(self, signum: int, timeout_s: float) -> float:

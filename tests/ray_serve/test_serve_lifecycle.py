@@ -67,7 +67,9 @@ class Stream(threading.Thread):
 
 def test_sigterm_to_make_serve_mid_stream_stops_everything_and_frees_the_port(serve_run):
     """The signal goes to make, as `kill <make's pid>` or a supervisor sends it: make passes SIGTERM
-    to its command only, which must therefore be `serve run` itself (exec), not a shell around it."""
+    to its command only (a shell around `serve run` died and left it running), and `serve run`
+    itself would exit at once on SIGTERM, cutting the streams: roseray.ray_serve.foreground turns
+    it into Serve's graceful stop, whose drain ends the streams."""
     serve_run.start_make()
     serve_run.wait_serving()
     haproxy = haproxy_pids(serve_run.state_dir)
@@ -83,6 +85,10 @@ def test_sigterm_to_make_serve_mid_stream_stops_everything_and_frees_the_port(se
     assert any(s.finished_at is None for s in streams), \
         f"every stream ended before the stop: nothing in flight ({[s.events for s in streams]} events)"
     serve_run.signal_and_wait(signal.SIGTERM, STOP_S)
+    assert "Got KeyboardInterrupt, shutting down" in serve_run.log(), "not Serve's graceful stop"
+    for stream in streams:
+        stream.join(10)
+        assert stream.finished_at is not None, "a stream outlived the server"
     left = serve_run.wait_no_leftovers(max(0.0, STOP_S - (time.monotonic() - signalled)))
     assert not left, "still running after SIGTERM:\n" + "\n".join(left)
     assert port_is_free(serve_run.port), f"port {serve_run.port} is still taken"
