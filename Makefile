@@ -1,5 +1,6 @@
 # roseray: two commands on a fresh machine.
-#   make serve   — install and run the Ray Serve app (serve_config.yaml) on this machine
+#   make serve   — install and run the Ray Serve app (serve_config.yaml) on this machine (Ctrl-C stops it)
+#   make serve-bg / make stop — the same in the background, and its stop
 #   make test    — install and run the test suite
 # Both create .venv first. torch is pinned so pip never resolves a newer (CUDA) build.
 
@@ -8,8 +9,11 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 TORCH  ?= torch==2.13.0
 PIP     = $(BIN)/python -m pip
+SERVE_CONFIG ?= serve_config.yaml
+HAPROXY_DIR  ?=
+HAPROXY_DIR_ARG = $(if $(HAPROXY_DIR),--dir $(HAPROXY_DIR))
 
-.PHONY: install install-test serve standalone generate test bench-step clean
+.PHONY: install install-test serve serve-bg stop standalone generate test bench-step clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,9 +35,19 @@ $(VENV)/.installed-test: pyproject.toml Makefile | $(BIN)/python
 install: $(VENV)/.installed-serve
 install-test: $(VENV)/.installed-test
 
-# HAProxy-mode flags must be in Ray's environment when it starts (roseray.ray_serve.haproxy_env).
+# `serve run` with haproxy_env's flags (HAProxy mode must be in Ray's environment when it starts),
+# after a taken-port check (one line, exit 1, before Ray starts); Ctrl-C and SIGTERM both stop it
+# gracefully (roseray.ray_serve.foreground).
 serve: install
-	eval "$$($(BIN)/python -m roseray.ray_serve.haproxy_env)" && $(BIN)/serve run serve_config.yaml
+	$(BIN)/python -m roseray.ray_serve.foreground $(SERVE_CONFIG) $(HAPROXY_DIR_ARG)
+
+# the same in the background (pid file and log in /tmp/roseray-serve-<uid>); `make stop` stops it
+# and everything it started. SERVE_CONFIG: another Serve config; HAPROXY_DIR: haproxy_env's --dir
+serve-bg: install
+	$(BIN)/python -m roseray.ray_serve.background $(HAPROXY_DIR_ARG) start $(SERVE_CONFIG)
+
+stop:
+	$(BIN)/python -m roseray.ray_serve.background $(HAPROXY_DIR_ARG) stop
 
 standalone: install
 	$(BIN)/roseray serve --model random:tiny

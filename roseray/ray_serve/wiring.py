@@ -31,7 +31,9 @@ tests/test_serve_wiring.py fails loudly when an upgrade moves any of them:
     process on that port must answer it the same way, and the lean Router server asks the
     replica object's `_dataplane_health_check` (serve_replica_health);
   * `RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE` (ROUTER_BUFSIZE) bounds the body the
-    lean Router server accepts.
+    lean Router server accepts;
+  * the controller's `get_http_config` (HAProxy's address, for the ready line) and the worker's
+    session directory (`ray._private.worker._global_node`).
 """
 
 from __future__ import annotations
@@ -102,6 +104,13 @@ async def pick_replica(handle: DeploymentHandle, *route_args, reserve: bool = Fa
         return ReplicaPick(host=endpoint[0], port=endpoint[1], replica_id=replica.replica_id.to_full_id_str())
 
 
+async def replica_routing_stats(handle: DeploymentHandle) -> dict:
+    """The routing stats (its `record_routing_stats`) of the replica the deployment's RequestRouter
+    ranks first, as the router last received them; nothing is sent to the replica."""
+    async with handle.choose_replica(_reserve=False) as selection:
+        return dict(selection._replica.routing_stats or {})
+
+
 def _http_targets(app_name: str, routers: bool = False) -> list[tuple[str, int, str]]:
     """(node ip, port, actor name) of each replica of `app_name`'s ingress deployment as
     HAProxy sees them, or with `routers` of its ingress request router (the Router) as
@@ -111,6 +120,23 @@ def _http_targets(app_name: str, routers: bool = False) -> list[tuple[str, int, 
     return sorted({(t.ip, t.port, t.name) for g in groups if g.app_name == app_name
                    and str(getattr(g.protocol, "value", g.protocol)).upper() == "HTTP"
                    for t in ((g.ingress_request_router_targets or ()) if routers else g.targets)})
+
+
+def local_http_address() -> tuple[str, int, str]:
+    """(host to connect to, port, URL for clients) of this node's HAProxy: Serve's http_options
+    from the controller (a wildcard host: connect on loopback, show this node's address).
+    A blocking actor call."""
+    controller = ray.get_actor(serve_constants.SERVE_CONTROLLER_NAME, namespace=serve_constants.SERVE_NAMESPACE)
+    options = ray.get(controller.get_http_config.remote())
+    host, port = options.host or "127.0.0.1", int(options.port)
+    if host in ("0.0.0.0", "::"):
+        return "127.0.0.1", port, f"http://{ray.util.get_node_ip_address()}:{port}"
+    return host, port, f"http://{host}:{port}"
+
+
+def session_dir() -> str:
+    """This node's directory of the running Ray session (new at every Ray start)."""
+    return ray._private.worker._global_node.get_session_dir_path()
 
 
 def engine_http_targets(app_name: str) -> list[tuple[str, int]]:

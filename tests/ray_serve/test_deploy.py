@@ -26,6 +26,8 @@ import yaml
 from ray.serve._private import constants as serve_constants
 from ray.serve.schema import ServeDeploySchema
 
+from roseray.ray_serve import haproxy_env
+
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 MANIFEST = REPO / "deploy" / "kuberay" / "rayservice.yaml"
@@ -276,12 +278,12 @@ def image_haproxy_dir(env: dict) -> str:
     return str(Path(env["RAY_SERVE_HAPROXY_BINARY_PATH"]).parent)
 
 
-def serving_env(state_dir: str, tmp_path: Path) -> dict[str, str]:
-    """What `python -m roseray.ray_serve.haproxy_env --dir <state_dir>` exports on a GPU node (run
-    for real in a temporary directory, then named with `state_dir`; the image is for GPU
+def serving_env(state_dir: str, tmp_path: Path, flags: list[str]) -> dict[str, str]:
+    """What `python -m roseray.ray_serve.haproxy_env --dir <state_dir> <flags>` exports on a GPU node
+    (run for real in a temporary directory, then named with `state_dir`; the image is for GPU
     nodes: CUDA_VISIBLE_DEVICES=0 makes this machine count as one)."""
     tmp_dir = tmp_path / "haproxy"
-    out = subprocess.run([sys.executable, "-m", "roseray.ray_serve.haproxy_env", "--dir", str(tmp_dir)],
+    out = subprocess.run([sys.executable, "-m", "roseray.ray_serve.haproxy_env", "--dir", str(tmp_dir), *flags],
                          capture_output=True, text=True, timeout=60, cwd=REPO,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
     assert out.returncode == 0, out.stderr
@@ -297,14 +299,16 @@ def test_image_env_is_the_serving_env(dockerfile, tmp_path):
     env = docker_env(dockerfile)
     ray_env = {k: v for k, v in env.items() if k.startswith("RAY_")}
     state_dir = image_haproxy_dir(env)
-    expected = serving_env(state_dir, tmp_path)
-    assert {k: ray_env[k] for k in ray_env if k not in PORT_RANGE_VARS} == expected
-    low, high = (int(ray_env[k]) for k in PORT_RANGE_VARS)
-    assert low < high
     # the RUN that writes the HAProxy wrapper uses that directory, as the runtime user
     stage = final_stage(dockerfile)
     (idx,) = [i for i, (kw, a, _) in enumerate(stage) if kw == "RUN" and "roseray.ray_serve.haproxy_env" in a]
-    assert shlex.split(stage[idx][1])[:5] == ["python", "-m", "roseray.ray_serve.haproxy_env", "--dir", state_dir]
+    command = shlex.split(stage[idx][1])
+    assert command[:5] == ["python", "-m", "roseray.ray_serve.haproxy_env", "--dir", state_dir]
+    flags = command[5:command.index(">")]
+    expected = serving_env(state_dir, tmp_path, flags)
+    assert {k: ray_env[k] for k in ray_env if k not in PORT_RANGE_VARS} == expected
+    low, high = (int(ray_env[k]) for k in PORT_RANGE_VARS)
+    assert low < high
     assert any(kw == "USER" for kw, _, _ in stage[:idx]), "write the wrapper as the runtime user (mode 700 dir)"
     assert len(state_dir) < 60, "HAProxy's unix socket paths must stay short"
 
@@ -453,6 +457,20 @@ def test_rayservice_cluster_shape(rayservice, ray_pin):
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
     for template in pod_templates(rayservice).values():
         assert template["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_clusters_keep_rays_draining_period_and_one_machine_does_not_wait(rayservice, dockerfile, tmp_path):
+    """A stopping replica stays reachable for Ray's 30 s on a cluster (a load balancer in front
+    of the nodes deregisters it first); `make serve` on one machine exports haproxy_env's
+    default, which lets an idle stop finish at once (tests/ray_serve/test_serve_lifecycle.py)."""
+    name = haproxy_env.MIN_DRAINING_PERIOD_ENV
+    cluster = f"{haproxy_env.CLUSTER_MIN_DRAINING_PERIOD_S:g}"
+    assert cluster == "30"  # Ray's default
+    assert docker_env(dockerfile)[name] == cluster
+    assert {container_env(t)[name] for t in pod_templates(rayservice).values()} == {cluster}
+    assert f"--min-draining-period-s {cluster}" in GUIDE.read_text(), "bare metal: the guide's haproxy_env"
+    local = haproxy_env.haproxy_env(str(tmp_path / "hap"))[name]
+    assert float(local) == haproxy_env.LOCAL_MIN_DRAINING_PERIOD_S <= 1
 
 
 def test_every_node_starts_ray_with_the_image_serving_env(rayservice, dockerfile):

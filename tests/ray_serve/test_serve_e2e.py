@@ -165,8 +165,8 @@ def test_nearly_full_kv_and_long_queue_steer_requests(cluster):
             break
         assert time.monotonic() < deadline, f"blocks not freed after disconnects: {metrics}"
         time.sleep(0.05)
-    generated = {name: metrics[name]["roseray:generation_tokens_total"] - before[name]["roseray:generation_tokens_total"]
-                 for name in metrics}
+    tokens = "roseray:generation_tokens_total"
+    generated = {name: metrics[name][tokens] - before[name][tokens] for name in metrics}
     assert generated[big] < 1040, generated  # aborted, not run to max_tokens
     assert generated[next(iter(smalls))] < 2 * 700 + 1100, generated
 
