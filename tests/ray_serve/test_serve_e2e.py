@@ -154,7 +154,7 @@ def test_nearly_full_kv_and_long_queue_steer_requests(cluster):
         # Every request takes another block every 16 tokens, and the engine's speed is the machine's:
         # the test waits for X to fill, and starts over when Y's small requests took too much of Y
         # (or ended) before the steered request could be sent.
-        for _ in range(3):
+        for _ in range(5):
             before = engine_metrics(cluster)
             # 1000 + 1040 tokens: 63 of 130 blocks held from the first step, 128 at the end
             big = open_stream("a" * 1000, 1040)
@@ -191,7 +191,10 @@ def test_nearly_full_kv_and_long_queue_steer_requests(cluster):
             disconnect()
             wait_all_free(10.0)
         else:
-            pytest.fail(f"Y never had room for the steered request when it could be sent: {now}")
+            seen = {name: (m["roseray:num_requests_running"], m["roseray:num_kv_blocks_free"])
+                    for name, m in now.items()}
+            pytest.fail(f"Y never had room for the steered request when it could be sent: {seen} (running, free "
+                        f"blocks), Y={small}")
         # 20 + 940 tokens = 60 blocks: more than X has left, fewer than Y has; X has the shorter queue
         assert open_stream("c" * 20, 940) in smalls
         metrics = engine_metrics(cluster)
