@@ -47,7 +47,8 @@ def tiny_checkpoint(tmp_path_factory):
 # one JSON command per line:
 #   {"op": "engines"}                   (node ip, port) of every engine replica's HTTP port
 #   {"op": "replicas"}                  the Engine replicas as Serve's API lists them
-#   {"op": "kill", "replica": "<id>"}   ray.kill the replica's actor (no restart by Ray core)
+#   {"op": "kill", "replica": "<id>"}   ray.kill the replica's actor (no restart by Ray core); replies once
+#                                       the replica's process has exited
 #   {"op": "integrity"}                 EngineDeployment.check_integrity on every running replica
 # A test that breaks the cluster (kills a replica) waits for Serve to heal it before it ends.
 
@@ -83,6 +84,15 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port in 20000-32000")
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether the local process `pid` still runs (a zombie has ended: it only awaits its reaping)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def _run_ray_cluster(cfg: dict) -> None:
@@ -131,9 +141,16 @@ def _run_ray_cluster(cfg: dict) -> None:
         return seen
 
     def kill(replica: str) -> dict:
-        (actor_name,) = [r["actor_name"] for r in replicas() if r["replica_id"] == replica]
-        ray.kill(ray.get_actor(actor_name, namespace=SERVE_NAMESPACE), no_restart=True)
-        return {"killed": actor_name}
+        """Returns once the replica's process is gone: ray.kill only asks the actor's worker to
+        exit, and until it does the replica still answers what reaches it."""
+        (target,) = [r for r in replicas() if r["replica_id"] == replica]
+        ray.kill(ray.get_actor(target["actor_name"], namespace=SERVE_NAMESPACE), no_restart=True)
+        started = time.monotonic()
+        while _process_alive(target["pid"]):
+            if time.monotonic() - started > 30:
+                raise RuntimeError(f"the process {target['pid']} of {target['actor_name']} outlived ray.kill by 30 s")
+            time.sleep(0.01)
+        return {"killed": target["actor_name"], "exit_wait_s": time.monotonic() - started}
 
     ops = {"engines": lambda: wiring.engine_http_targets(RAY_APP), "replicas": replicas, "integrity": integrity,
            "kill": lambda replica: kill(replica)}

@@ -425,7 +425,9 @@ def check_run(run: LocustRun, path: str = "/v1/completions") -> dict:
     assert run.wall_s < 20, f"the locust run took {run.wall_s:.1f} s"
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["failures"]["total"] == 0, summary["failures"]
-    assert summary["requests"]["succeeded"] == summary["requests"]["sent"] > 10, summary["requests"]
+    # the window says how much of -t was left for sending once locust had started (a starved machine)
+    assert summary["requests"]["succeeded"] == summary["requests"]["sent"] > 10, (summary["requests"],
+                                                                                   summary["window"])
     replicas = sorted(summary["replicas"])
     assert len(replicas) == 2 and all(name.startswith("Engine#") for name in replicas), replicas
     samples = np.load(out_dir / "samples.npz")

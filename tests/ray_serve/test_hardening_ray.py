@@ -2,8 +2,8 @@
 (tests/conftest.py: two CPU replicas of random:tiny behind HAProxy and the Router).
 
 The replica is found through Serve's API (the controller's instance details) and killed
-with `ray.kill(..., no_restart=True)`: the process is gone at once, as after a crash or an
-OOM kill. Then:
+with `ray.kill(..., no_restart=True)`, as after a crash or an OOM kill; ray.kill only asks
+the actor's worker to exit, so the cluster's kill op returns once the process has gone. Then:
   * its in-flight streams end with a clear error: HAProxy cuts the client connection in
     the middle of the chunked body, which every HTTP client reports as an error (httpx:
     "incomplete chunked read"); none of them ends like a complete answer ([DONE], a
@@ -98,9 +98,10 @@ def test_killing_an_engine_replica_under_load(ray_serve_cluster):
     killed_at = time.monotonic()
     cluster.command("kill", replica=victim)
 
-    # a burst at once: while the process dies the Router may still pick it, and a connection it
-    # accepted closes without an answer; HAProxy retries those on another replica (the wrapper's
-    # retry-on empty-response), so the client gets a 200, not Serve's plain 500
+    # a burst at once: Serve has not noticed the death yet, so the Router may still pick the dead
+    # replica, and a connection HAProxy holds to it closes without an answer; HAProxy retries those
+    # on another replica (the wrapper's retry-on conn-failure and empty-response), so the client gets
+    # a 200, not Serve's plain 500
     burst = list(pool.map(lambda i: httpx.post(cluster.url + "/v1/completions", timeout=30,
                                                 json={"prompt": f"burst {i}", "max_tokens": 4}), range(12)))
     assert [r.status_code for r in burst] == [200] * len(burst), [(r.status_code, r.text[:80]) for r in burst]

@@ -110,6 +110,18 @@ def engine_metrics(cluster) -> dict:
     return result
 
 
+def kv_blocks_all_free(metrics: dict) -> bool:
+    return all(m["roseray:num_requests_running"] == 0
+               and m["roseray:num_kv_blocks_free"] == m["roseray:num_kv_blocks_total"] for m in metrics.values())
+
+
+STEER_NEED_BLOCKS = 55  # the steered request: 20 + 860 tokens
+# more than X's request takes in a stats period: the Router's snapshot of X may be that much older than a read
+STEER_MARGIN_X_BLOCKS = 10
+# more than Y's two requests take between a metrics read and the Router's pick right after it
+STEER_MARGIN_Y_BLOCKS = 6
+
+
 def test_nearly_full_kv_and_long_queue_steer_requests(cluster):
     """Replica X runs one request that holds most of its KV blocks; replica Y runs two
     small ones (a longer queue, but free blocks). A request that X cannot hold goes to Y,
@@ -117,7 +129,6 @@ def test_nearly_full_kv_and_long_queue_steer_requests(cluster):
     mid-stream, and both replicas free all their blocks before the requests could have
     finished on their own."""
     url = cluster["url"] + "/v1/completions"
-    before = engine_metrics(cluster)
     client = httpx.Client(timeout=60)
     streams = []
 
@@ -130,45 +141,74 @@ def test_nearly_full_kv_and_long_queue_steer_requests(cluster):
         streams.append((cm, lines))
         return response.headers["x-roseray-replica"]
 
+    def disconnect() -> None:
+        while streams:
+            streams.pop()[0].__exit__(None, None, None)  # disconnect mid-stream
+
+    def wait_all_free(timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while not kv_blocks_all_free(metrics := engine_metrics(cluster)):
+            assert time.monotonic() < deadline, f"blocks not freed after disconnects: {metrics}"
+            time.sleep(0.05)
+        return metrics
+
     try:
-        # 1000 + 1040 tokens: 63 of 130 blocks held from the first step, 128 at the end
-        big = open_stream("a" * 1000, 1040)
-        # two small requests on the other replica, Y: (20 + 700) / 16 = 45 blocks each at most. The Router
-        # sends them there (X's free blocks, both queues) unless a stats snapshot of X lands between the
-        # big request's pick and its arrival, which a starved CI machine can stretch; then try again.
-        smalls = set()
-        for _ in range(6):
-            replica = open_stream("b" * 20, 700)
-            if replica != big:
-                smalls.add(replica)
-            else:
-                streams.pop()[0].__exit__(None, None, None)
-                time.sleep(STATS_PERIOD_S)
-            if len(streams) == 3:  # the big one and two small ones
+        # Every request takes another block every 16 tokens, at the machine's speed: X's request
+        # holds more of X than the steered request leaves once it has run a while (waited for), and
+        # Y's two requests take Y's blocks twice as fast; when they took too much of Y (or ended)
+        # before the steered request could be sent, the scenario starts over.
+        for _ in range(5):
+            before = engine_metrics(cluster)
+            # 1000 + 1040 tokens: 63 of 130 blocks held from the first step, 128 at the end
+            big = open_stream("a" * 1000, 1040)
+            # two small requests on the other replica, Y: (20 + 700) / 16 = 45 blocks each at most. The
+            # Router sends them there (X's free blocks, both queues) unless a stats snapshot of X lands
+            # between the big request's pick and its arrival, which a starved machine can stretch; then
+            # try again.
+            smalls = set()
+            for _ in range(6):
+                replica = open_stream("b" * 20, 700)
+                if replica != big:
+                    smalls.add(replica)
+                else:
+                    streams.pop()[0].__exit__(None, None, None)
+                    time.sleep(STATS_PERIOD_S)
+                if len(streams) == 3:  # the big one and two small ones
+                    break
+            assert len(streams) == 3 and len(smalls) == 1, (big, smalls)
+            small = next(iter(smalls))
+            time.sleep(3 * STATS_PERIOD_S)  # fresh snapshots of both replicas, taken after the picks reached them
+            # free blocks only shrink while a replica's requests run, and the Router's snapshots are at most
+            # a stats period older than a read: its snapshot of X shows at most the read plus the X margin,
+            # its snapshot of Y at least the read less what Y takes before the pick (the Y margin)
+            deadline = time.monotonic() + 30
+            while (now := engine_metrics(cluster))[big]["roseray:num_kv_blocks_free"] > (
+                    STEER_NEED_BLOCKS - STEER_MARGIN_X_BLOCKS) and now[big]["roseray:num_requests_running"]:
+                assert time.monotonic() < deadline, f"X never filled: {now[big]}"
+                time.sleep(0.02)
+            if (now[big]["roseray:num_requests_running"] >= 1 and now[small]["roseray:num_requests_running"] >= 2
+                    and now[small]["roseray:num_kv_blocks_free"] >= STEER_NEED_BLOCKS + STEER_MARGIN_Y_BLOCKS):
                 break
-        assert len(streams) == 3 and len(smalls) == 1, (big, smalls)
-        time.sleep(4 * STATS_PERIOD_S)  # fresh snapshots of both replicas, taken after the picks reached them
-        # 20 + 1100 tokens = 70 blocks: more than X has left, fewer than Y has; X has the shorter queue
-        assert open_stream("c" * 20, 1100) in smalls
+            disconnect()
+            wait_all_free(10.0)
+        else:
+            seen = {name: (m["roseray:num_requests_running"], m["roseray:num_kv_blocks_free"])
+                    for name, m in now.items()}
+            pytest.fail(f"Y never had room for the steered request when it could be sent: {seen} (running, free "
+                        f"blocks), Y={small}")
+        # 20 + 860 tokens = 55 blocks: more than X has left, fewer than Y has; X has the shorter queue
+        assert open_stream("c" * 20, 860) in smalls
         metrics = engine_metrics(cluster)
         assert metrics[big]["roseray:num_requests_running"] >= 1, "the big request ended before the test did"
-        assert metrics[next(iter(smalls))]["roseray:num_requests_running"] >= 3
+        assert metrics[small]["roseray:num_requests_running"] >= 3
     finally:
-        for cm, _ in streams:
-            cm.__exit__(None, None, None)  # disconnect mid-stream
+        disconnect()
         client.close()
-    deadline = time.monotonic() + 1.0
-    while True:
-        metrics = engine_metrics(cluster)
-        if all(m["roseray:num_requests_running"] == 0 and m["roseray:num_kv_blocks_free"] == m[
-                "roseray:num_kv_blocks_total"] for m in metrics.values()):
-            break
-        assert time.monotonic() < deadline, f"blocks not freed after disconnects: {metrics}"
-        time.sleep(0.05)
-    tokens = "roseray:generation_tokens_total"
-    generated = {name: metrics[name][tokens] - before[name][tokens] for name in metrics}
+    metrics = wait_all_free(1.0)
+    generated = {name: metrics[name]["roseray:generation_tokens_total"]
+                 - before[name]["roseray:generation_tokens_total"] for name in metrics}
     assert generated[big] < 1040, generated  # aborted, not run to max_tokens
-    assert generated[next(iter(smalls))] < 2 * 700 + 1100, generated
+    assert generated[small] < 2 * 700 + 860, generated
 
 
 def test_haproxy_side_ports_listen_on_loopback_only(cluster):
