@@ -115,7 +115,8 @@ class ModelRunner:
         self._host_arrays = [b.numpy() for b in self._host_buffers]
         self._turn = 0
         self._host_buffer, self._host = self._host_buffers[0], self._host_arrays[0]
-        self._device_buffer = self._host_buffer if device.type == "cpu" else torch.zeros_like(self._host_buffer, device=device)
+        host = self._host_buffer
+        self._device_buffer = host if device.type == "cpu" else torch.zeros_like(host, device=device)
         self._arange = np.arange(self.max_num_tokens + 1, dtype=np.int32)
         self._all_rows = np.ones(self.max_num_seqs, dtype=bool)
         # The argmax of the latest decode step's rows; the next decode step reads the tokens
@@ -160,7 +161,8 @@ class ModelRunner:
         if num_blocks < 1:
             raise RuntimeError(
                 f"no memory left for the KV cache: peak {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB "
-                f"at gpu_memory_utilization={self.config.gpu_memory_utilization}; raise it or lower max_num_batched_tokens")
+                f"at gpu_memory_utilization={self.config.gpu_memory_utilization}; "
+                "raise it or lower max_num_batched_tokens")
         torch.cuda.empty_cache()
         return num_blocks
 
@@ -206,10 +208,9 @@ class ModelRunner:
         mixed = [cap(40), cap(300), cap(38), long_len]  # decodes + chunks on a cached prefix
         self._dummy_forward([1, 1, min(5, mixed[2]), max(1, long_len // 2)], mixed)
         self._dummy_forward([1] * 5, [cap(n) for n in (1, 17, 100, 1000, 7)])  # decode, eager
-        # What a step runs outside the graphs, at every decode batch size: the lm_head GEMM and
-        # argmax, and the in-flight fill. Their kernels depend on the size (cuBLAS picks by rows,
-        # index_select has small- and large-index kernels) and CUDA loads a kernel's module at
-        # its first launch, which would otherwise land inside the first requests' TTFT.
+        # What a step runs outside the graphs, at every decode batch size (lm_head GEMM, argmax, the
+        # in-flight fill): kernels differ by size, and CUDA loads a kernel's module at its first
+        # launch, which would otherwise land inside the first requests' TTFT.
         n, d = self.max_num_seqs, self.device
         rows = torch.zeros((n, self.model_config.hidden_size), dtype=self.dtype, device=d)
         ids, tokens = torch.zeros(n, dtype=torch.int32, device=d), torch.zeros(n, dtype=torch.int64, device=d)
