@@ -13,7 +13,7 @@ SERVE_CONFIG ?= serve_config.yaml
 HAPROXY_DIR  ?=
 HAPROXY_DIR_ARG = $(if $(HAPROXY_DIR),--dir $(HAPROXY_DIR))
 
-.PHONY: install install-test serve serve-bg stop standalone generate test bench-step clean
+.PHONY: install install-test serve serve-bg stop standalone generate test lint bench-step clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ generate: install
 # pytest exits 5 when no test is collected: not a failure.
 test: install-test
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+
+# ruff (pyproject.toml's [tool.ruff]): the whole tree, lint rules and import order
+lint: install-test
+	$(BIN)/ruff check .
 
 bench-step: install
 	$(BIN)/python -m roseray.bench step-overhead --num-seqs 64 256
