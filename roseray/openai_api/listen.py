@@ -8,6 +8,7 @@ import errno
 import os
 import socket
 import sys
+from dataclasses import dataclass
 
 LISTEN = "0A"  # a TCP socket's state in /proc/net/tcp: listening
 
@@ -77,9 +78,20 @@ def _bind(sock: socket.socket, address: tuple, host: str, port: int) -> None:
         raise CannotListenError(f"cannot listen on {host}:{port}: {why}") from error
 
 
-def port_holder(port: int) -> str | None:
-    """"pid N (name)" of a process that listens on TCP `port`, from /proc (Linux; only
-    processes whose descriptors this user may read), or None when it cannot tell."""
+@dataclass(frozen=True)
+class PortHolder:
+    """A process that listens on a TCP port."""
+
+    pid: int
+    name: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} ({self.name})"
+
+
+def port_holder(port: int) -> PortHolder | None:
+    """A process that listens on TCP `port`, from /proc (Linux; only processes whose
+    descriptors this user may read), or None when it cannot tell."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -97,7 +109,7 @@ def port_holder(port: int) -> str | None:
         for fd in _listdir(f"/proc/{pid}/fd"):
             try:
                 if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
-                    return f"pid {pid} ({_command(pid)})"
+                    return PortHolder(int(pid), _command(pid))
             except OSError:
                 continue
     return None

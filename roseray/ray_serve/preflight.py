@@ -13,22 +13,15 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import os
 import socket
 import sys
-from dataclasses import dataclass
 
 import yaml
 
+from roseray.openai_api.listen import port_holder
+
 DEFAULT_HOST = "127.0.0.1"  # Serve's default http_options.host
 DEFAULT_PORT = 8000  # Serve's default http_options.port
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
-
-
-@dataclass(frozen=True)
-class PortHolder:
-    pid: int
-    name: str
 
 
 def serving_address(config_path: str) -> tuple[str, int]:
@@ -49,47 +42,6 @@ def bind_error(host: str, port: int) -> OSError | None:
             sock.listen(1)
         except OSError as error:
             return error
-    return None
-
-
-def _listening_inodes(port: int) -> set[str]:
-    """Socket inodes of every TCP listener on `port` (any address), from /proc/net/tcp{,6}."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) > 9 and fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(fields[9])
-    return inodes
-
-
-def port_holder(port: int) -> PortHolder | None:
-    """The process listening on `port`, if /proc shows it to this user."""
-    targets = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
-    if not targets:
-        return None
-    for pid in sorted((int(p) for p in os.listdir("/proc") if p.isdigit()), reverse=True):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link in targets:
-                try:
-                    with open(f"/proc/{pid}/comm") as f:
-                        name = f.read().strip()
-                except OSError:
-                    name = "?"
-                return PortHolder(pid, name)
     return None
 
 
