@@ -51,6 +51,7 @@ class EngineClient(abc.ABC):
         self.num_steps_read = 0  # engine steps whose outputs read_outputs() has returned
         self.num_adds_sent = 0  # adds sent to the engine (flush_commands, or before an abort or a check)
         self.num_adds_applied = 0  # of those, the ones the engine had taken as of get_stats()
+        self._replies: dict[int, str | None] = {}  # integrity check call id -> what it found wrong, or None
 
     def prepare(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[int]:
         """The prompt's token ids, checked against the engine's limits (ValueError if it can never run)."""
@@ -94,12 +95,14 @@ class EngineClient(abc.ABC):
         """Ask for the engine's accounting check between two steps; returns its call id.
         The reply comes with the outputs (integrity_replied, then take_integrity_reply)."""
 
-    @abc.abstractmethod
-    def integrity_replied(self, call_id: int) -> bool: ...
+    def integrity_replied(self, call_id: int) -> bool:
+        return call_id in self._replies
 
-    @abc.abstractmethod
     def take_integrity_reply(self, call_id: int) -> None:
         """AssertionError when the check failed."""
+        failure = self._replies.pop(call_id)
+        if failure is not None:
+            raise AssertionError(failure)
 
     @abc.abstractmethod
     def heartbeat(self) -> float:

@@ -64,7 +64,6 @@ class InProcessEngineClient(EngineClient):
         os.set_blocking(self._ready_w, False)
         self._told = False  # a byte is on the pipe for what is in the outbox
         self._stats = engine.get_stats()
-        self._replies: dict[int, str | None] = {}
         self._next_call = 0
         self._applied = 0  # adds the engine thread has taken
         self._busy = False  # the engine has requests: the heartbeat is the thread's last iteration
@@ -142,14 +141,6 @@ class InProcessEngineClient(EngineClient):
         if self._closed:  # the thread has ended: the check runs here, its reply waits in the outbox
             self._apply_commands()
         return call_id
-
-    def integrity_replied(self, call_id: int) -> bool:
-        return call_id in self._replies
-
-    def take_integrity_reply(self, call_id: int) -> None:
-        failure = self._replies.pop(call_id)
-        if failure is not None:
-            raise AssertionError(failure)
 
     def heartbeat(self) -> float:
         return self._beat if self._busy else time.monotonic()

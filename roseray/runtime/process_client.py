@@ -68,7 +68,6 @@ class EngineProcessClient(EngineClient):
         self._adds = AddRequests([], [], [], [])  # held until flush_commands
         self._stats = EngineStats(num_free_blocks=self.limits.num_blocks, num_total_blocks=self.limits.num_blocks)
         self._last_message = time.monotonic()
-        self._replies: dict[int, str | None] = {}
         self._next_call = 0
 
     @staticmethod
@@ -146,14 +145,6 @@ class EngineProcessClient(EngineClient):
         self._next_call += 1
         self._send(CheckIntegrity(call_id).encode())
         return call_id
-
-    def integrity_replied(self, call_id: int) -> bool:
-        return call_id in self._replies
-
-    def take_integrity_reply(self, call_id: int) -> None:
-        failure = self._replies.pop(call_id)
-        if failure is not None:
-            raise AssertionError(failure)
 
     def heartbeat(self) -> float:
         return self._last_message if self._requests else time.monotonic()
