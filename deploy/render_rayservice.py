@@ -5,7 +5,7 @@
     python deploy/render_rayservice.py --print-cluster-config [--num-replicas auto]
                                                   # the same cluster config for a bare-metal `serve deploy`
 
-The cluster config is serve_config.yaml with these changes and no others (tests/test_deploy.py
+The cluster config is serve_config.yaml with these changes and no others (tests/ray_serve/test_deploy.py
 checks the manifest against this list):
 
   http_options.host            0.0.0.0: HAProxy on one node must reach engine replicas on the
