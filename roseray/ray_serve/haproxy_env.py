@@ -22,9 +22,12 @@ What it sets:
                                                     the stats page (8404) and Prometheus exporter (9101)
                                                     on 127.0.0.1 (Ray's template binds them on every
                                                     interface), makes the admin socket mode 600
-                                                    (Ray's template: 666), and lets the routed backend
+                                                    (Ray's template: 666), lets the routed backend
                                                     retry a request that a replica closed without a
-                                                    byte of answer (see RETRY_ON)
+                                                    byte of answer (see RETRY_ON), and answers 503 in
+                                                    the OpenAI shape with Retry-After while no app is
+                                                    served or no replica is routed (NOT_DEPLOYED,
+                                                    NOT_ROUTED) instead of Ray's plain-text 404 / 503
   RAY_SERVE_HAPROXY_{CONFIG_FILE_LOC,SOCKET_PATH,SERVER_STATE_BASE,SERVER_STATE_FILE,METRICS_SOCKET_PATH}
                                                     HAProxy's files in <dir> (mode 700; default
                                                     /tmp/roseray-haproxy-<uid>; keep it short: unix
