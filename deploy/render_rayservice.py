@@ -5,7 +5,7 @@
     python deploy/render_rayservice.py --print-cluster-config [--num-replicas auto]
                                                   # the same cluster config for a bare-metal `serve deploy`
 
-The cluster config is serve_config.yaml with these changes and no others (tests/test_deploy.py
+The cluster config is serve_config.yaml with these changes and no others (tests/ray_serve/test_deploy.py
 checks the manifest against this list):
 
   http_options.host            0.0.0.0: HAProxy on one node must reach engine replicas on the
@@ -16,7 +16,8 @@ checks the manifest against this list):
                                bare metal: a number or "auto" once every worker has joined
   <app>.args.engine.num_kv_blocks  removed: on GPU the KV cache is sized from gpu_memory_utilization
   <app>.args.drain_timeout_s   MAX_STREAM_S: a replaced or scaled-down engine replica finishes its
-                               running streams for this long (Ray Serve waits drain_timeout_s + 5 s)
+                               running streams for this long (Ray Serve waits drain_timeout_s plus a
+                               margin for the replica's processes: build_app's graceful_shutdown_timeout_s)
 
 where <app> is every application whose import_path is roseray's (roseray.ray_serve.app:build_app).
 Only the cluster parts of the manifest are written by hand; this script rewrites the

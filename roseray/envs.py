@@ -3,7 +3,7 @@
 Each variable has its name as a constant (`*_ENV`, for code that writes it or names it in
 generated text) and a function that reads it at the moment it is called, so that a value
 set before a child process starts, or by a test, is seen. No other module of roseray reads
-`os.environ` (tests/test_envs.py checks it).
+`os.environ` (tests/config/test_envs.py checks it).
 """
 
 from __future__ import annotations

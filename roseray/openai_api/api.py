@@ -57,9 +57,8 @@ from roseray.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # FastAPI 0.16x asks OpenTelemetry's three global providers whether to trace, on every request
-# (~4% of the samples of admitting streamed requests in a py-spy profile, though within the noise
-# of scripts/server_admission_cost.py); roseray's metrics are its own Prometheus ones. Older
-# FastAPI has no such option.
+# (a visible share of admitting a streamed request in a profile); roseray's metrics are its own
+# Prometheus ones. Older FastAPI has no such option.
 NO_FASTAPI_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
                         if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 

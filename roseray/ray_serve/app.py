@@ -112,7 +112,7 @@ class RouterDeployment:
 
     Its HTTP app is roseray.ray_serve.router_endpoint's plain ASGI callable, not FastAPI: the
     decisions of a burst queue one after another in this replica, and FastAPI's per-request
-    machinery was a third of each (scripts/ray_burst_probe.py). ROUTER_ACTOR_OPTIONS run the
+    machinery was a large part of each. ROUTER_ACTOR_OPTIONS run the
     app and the DeploymentHandle's router on the replica's own event loop. Once Serve's server
     listens, a lean asyncio server (router_server.py) takes the replica's port over and answers
     with the same RouterEndpoint, without uvicorn and Serve's per-request wrapper; Serve's
@@ -155,8 +155,8 @@ class RouterDeployment:
 # the replica's own event loop (Serve's defaults: the app on a second thread and loop, the
 # handle's router on a third; every decision then crosses threads four times). Read by Serve
 # when the replica's process imports it, so they travel in the replica's runtime_env, not in
-# the node's environment: the Engine replicas keep Serve's defaults. Per decision on a 2-core
-# box: ~0.45 -> ~0.37 ms of the Router's CPU (scripts/ray_burst_probe.py, CPU of the replica).
+# the node's environment: the Engine replicas keep Serve's defaults. It saves the Router CPU
+# time per decision that the thread hops cost.
 ROUTER_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 ROUTER_ACTOR_OPTIONS = {"num_cpus": 0, "runtime_env": {"env_vars": ROUTER_ENV_VARS}}
 

@@ -14,18 +14,20 @@ What it sets:
   RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE=65536
                                                     with the body forwarded: HAProxy's tune.bufsize, i.e.
                                                     how much of a body the router sees (Ray's default,
-                                                    8 MiB, makes every request's buffers cost ~1-3 ms of
-                                                    HAProxy time: a burst of 128 waited 420 ms (p50) for
-                                                    what takes 120 ms at 64 KiB, scripts/ray_burst_probe.py).
+                                                    8 MiB, makes every request's buffers cost HAProxy
+                                                    time, which a burst of streams queues behind).
                                                     Longer bodies reach the router cut, with
                                                     X-Body-Truncated; the engine still gets all of it
   RAY_SERVE_HAPROXY_BINARY_PATH=<dir>/haproxy       a wrapper around Ray's bundled HAProxy that binds
                                                     the stats page (8404) and Prometheus exporter (9101)
                                                     on 127.0.0.1 (Ray's template binds them on every
                                                     interface), makes the admin socket mode 600
-                                                    (Ray's template: 666), and lets the routed backend
+                                                    (Ray's template: 666), lets the routed backend
                                                     retry a request that a replica closed without a
-                                                    byte of answer (see RETRY_ON)
+                                                    byte of answer (see RETRY_ON), and answers 503 in
+                                                    the OpenAI shape with Retry-After while no app is
+                                                    served or no replica is routed (NOT_DEPLOYED,
+                                                    NOT_ROUTED) instead of Ray's plain-text 404 / 503
   RAY_SERVE_HAPROXY_{CONFIG_FILE_LOC,SOCKET_PATH,SERVER_STATE_BASE,SERVER_STATE_FILE,METRICS_SOCKET_PATH}
                                                     HAProxy's files in <dir> (mode 700; default
                                                     /tmp/roseray-haproxy-<uid>; keep it short: unix
@@ -35,14 +37,14 @@ What it sets:
                                                     at `ray start`, and ignores its num_replicas; HAProxy's Lua
                                                     takes turns between them). --router-replicas-per-node auto
                                                     (the default): 4 on a node with NVIDIA GPUs, where one Router
-                                                    admitted a burst of 128 streams in 35-56 ms and four in
-                                                    ~11 ms (BENCHMARKS.md), else 1. router.num_replicas: auto
+                                                    admits a burst of streams several times slower than four
+                                                    (BENCHMARKS.md), else 1. router.num_replicas: auto
                                                     follows it; a number there must say the same
   RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=<s>  how long a stopping replica stays reachable before it
                                                     refuses new connections (HAProxy then retries another
                                                     replica). --min-draining-period-s, default
                                                     LOCAL_MIN_DRAINING_PERIOD_S: on one machine HAProxy hears of
-                                                    a stop from the controller at once, and Ray's 30 s made every
+                                                    a stop from the controller at once, and Ray's default made every
                                                     stop wait that long. Clusters behind an outside load balancer
                                                     keep Ray's 30 s (deploy/: --min-draining-period-s 30)
 The client-facing bind is `http_options.host` of serve_config.yaml (127.0.0.1 there).
@@ -50,8 +52,8 @@ The client-facing bind is `http_options.host` of serve_config.yaml (127.0.0.1 th
 An experiment switch, read by the wrapper when HAProxy starts (so: in the environment when Ray
 starts): ROSERAY_HAPROXY_SPLICE=0 drops Ray's `option splice-request` / `option splice-response`,
 so that HAProxy copies the streams' small SSE chunks with recv/send instead of splicing them
-through kernel pipes (scripts/ray_vs_inprocess.sh: SPLICE=0). ROSERAY_HAPROXY_REUSE=<mode> sets the
-routed backends' `http-reuse` (Ray's: always; scripts/ray_vs_inprocess.sh: REUSE=never).
+through kernel pipes. ROSERAY_HAPROXY_REUSE=<mode> sets the routed backends' `http-reuse` (Ray's:
+always; e.g. never). Compare either way with `python -m roseray.bench serving --server-port 8000`.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ RETRY_ON = "conn-failure empty-response"
 # Prefix affinity hashes at most 64 blocks of 256 prompt characters (or 64 token ids), ~16-24 KiB
 # of JSON; a longer body reaches the Router cut (routing.hint_from_body reads the prompt's head
 # and scales the size estimate by X-Body-Truncated). The buffer size is a per-request cost in
-# HAProxy: at Ray's default of 8 MiB a burst of 128 streams queued ~3 ms per request.
+# HAProxy: at Ray's default of 8 MiB a burst of streams queues behind it (BENCHMARKS.md).
 ROUTER_BODY_BYTES = 64 * 1024
 
 # ROUTER_REPLICAS_ENV: Ray 2.60 runs this many Router (ingress request router) replicas on each

@@ -4,7 +4,7 @@ roseray's data path is Ray Serve's HAProxy direct-streaming mode: HAProxy sends 
 POST to an "ingress request router" deployment (/internal/route), which picks the
 engine replica, and then forwards the request to that replica's own HTTP port. The hooks
 this needs are private in Ray 2.60, so Ray is pinned exactly (pyproject) and
-tests/test_serve_wiring.py fails loudly when an upgrade moves any of them:
+tests/ray_serve/test_serve_wiring.py fails loudly when an upgrade moves any of them:
 
   * `Application._with_ingress_request_router(router_app)` attaches the router;
   * `DeploymentHandle.choose_replica(..., _reserve=False)` runs the deployment's

@@ -2,7 +2,7 @@
 ("kv_queue", the default) or Ray Serve's default PowerOfTwoChoicesRequestRouter
 ("power_of_two"), both on roseray's data path (HAProxy -> Router deployment -> choose_replica
 -> the engine replica streams itself), so that the two routers can be compared
-(scripts/two_replica_sweep.sh).
+(`python -m roseray.bench serving --server-port 8000` against each).
 
 Unit: AppArgs accepts only the two policies; the built app gives the Engine deployment Ray's
 class with no router kwargs and the Router deployment the policy. End to end: `serve run` of
