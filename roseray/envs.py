@@ -49,3 +49,9 @@ def router_replicas_per_node() -> int:
 def cuda_visible_devices() -> str | None:
     """CUDA_VISIBLE_DEVICES, or None when it is unset."""
     return os.environ.get(CUDA_VISIBLE_DEVICES_ENV)
+
+
+def child_environment(extra: dict[str, str]) -> dict[str, str]:
+    """This process's whole environment with `extra` set on top: what a child started with
+    `extra` sees (serve run under haproxy_env's variables)."""
+    return {**os.environ, **extra}

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Iterable
 
+from roseray import envs
 from roseray.ray_serve.haproxy_env import default_state_dir, haproxy_env
 from roseray.ray_serve.preflight import port_problem, serving_address
 
@@ -158,7 +159,7 @@ def start(config: str, run_dir: str, state_dir: str) -> int:
         print(problem, file=sys.stderr)
         return 0
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    env = {**os.environ, **haproxy_env(state_dir)}
+    env = envs.child_environment(haproxy_env(state_dir))
     serve = os.path.join(os.path.dirname(sys.executable), "serve")
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # inherited: `stop` stops it with SIGINT
     with open(paths.log, "ab") as log:

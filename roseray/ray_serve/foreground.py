@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 
+from roseray import envs
 from roseray.ray_serve.haproxy_env import default_state_dir, haproxy_env
 from roseray.ray_serve.preflight import port_problem, serving_address
 
@@ -27,7 +28,7 @@ def run(config: str, state_dir: str) -> int:
     if problem:
         print(problem, file=sys.stderr)
         return 1
-    env = {**os.environ, **haproxy_env(state_dir)}
+    env = envs.child_environment(haproxy_env(state_dir))
     serve = os.path.join(os.path.dirname(sys.executable), "serve")
     signals: list[int] = []
     child: subprocess.Popen | None = None

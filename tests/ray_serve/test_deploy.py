@@ -255,6 +255,8 @@ def test_dockerfile_bakes_serve_config_and_exposes_its_port(dockerfile):
     assert exposed == [config["http_options"]["port"]]
     (cmd,) = [args for keyword, args, _ in stage if keyword == "CMD"]
     assert yaml.safe_load(cmd) == ["serve", "run", "/app/serve_config.yaml"]
+    # `docker stop` must drain: serve run stops gracefully on SIGINT, and exits at once on SIGTERM
+    assert [args for keyword, args, _ in stage if keyword == "STOPSIGNAL"] == ["SIGINT"]
     for keyword, args, _ in dockerfile:  # every plain COPY source is in the build context
         if keyword == "COPY" and "--from" not in args:
             for source in args.split()[:-1]:
