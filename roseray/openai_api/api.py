@@ -175,8 +175,8 @@ class OpenAIServer:
 
     def _check_length(self, body, prompt_ids: list[int]) -> None:
         """A prompt that fills max_model_len leaves no room for a token. The engine's own check
-        misses it when max_tokens is unset (its default, max_model_len - prompt, goes negative;
-        see the report of issue 6), and such a request would overflow its block table."""
+        misses it when max_tokens is unset (its default, max_model_len - prompt, goes negative),
+        and such a request would overflow its block table."""
         if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
             param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
             raise APIError(400, f"the prompt ({len(prompt_ids)} tokens) leaves no room for output within "

@@ -1,6 +1,6 @@
 """`roseray serve --api-processes N`: N API processes in front of one engine process.
 
-Why: one API process spends ~8 us of CPU per streamed token, most of it in the socket
+Why: an API process spends microseconds of CPU per streamed token, most of it in the socket
 write and the event loop's C code; at 128 streams and a sub-millisecond engine step one
 process cannot write every stream every step, falls behind, and sends two steps per
 write (clients see 2-token chunks). Several processes share the writing.

@@ -210,13 +210,10 @@ class RouterArgs(BaseModel):
         return router_replicas_in_env() if self.num_replicas == "auto" else self.num_replicas
 
 
-# API processes per GPU engine replica under "auto". Four write every stream every step (a chunk
-# gap of 1.0-1.2x the step at 128 streams of GPT-2 on an H100). Two (BENCHMARKS.md, "two API
-# processes or four") let the replica's engine step as fast as an in-process engine beside it
-# (beside four it stepped ~7% slower: one more client to send each step to and one more busy
-# process each), but each admits twice the burst and writes two steps at once now and then: the
-# median pair rose from 83% to 87% of the in-process engine, within the runs' noise, while TTFT
-# p50 went from 14 to 21 ms and chunk gaps to 1.1-1.5x the step.
+# API processes per GPU engine replica under "auto". Four write every stream every step at 128
+# streams of GPT-2. Two let the engine step a little faster (one client fewer to send each step
+# to) but each admits twice a burst and writes two steps at once now and then: a burst's TTFT
+# grew by half (the H100 runs are in the git history of BENCHMARKS.md).
 GPU_REPLICA_API_PROCESSES = 4
 
 # How often a stopping replica counts its requests in flight (Serve's graceful_shutdown_wait_loop_s).
@@ -237,9 +234,9 @@ class AppArgs(BaseModel):
     num_gpus_per_replica: float | Literal["auto"] = "auto"  # "auto": 1 when the cluster has GPUs, else 0
     num_cpus_per_replica: float = 1.0
     # processes that write each engine replica's HTTP streams, on the replica's port: 1 is the replica's
-    # own server; N > 1 starts N API processes that take the port over (serve/replica_api_processes.py).
+    # own server; N > 1 starts N API processes that take the port over (ray_serve/replica_api_processes.py).
     # "auto": GPU_REPLICA_API_PROCESSES on GPU replicas (one process cannot write 128 streams every
-    # 0.7 ms step), 1 on CPU.
+    # sub-millisecond step), 1 on CPU.
     # More than 1 needs the engine in its own process (engine.engine_process; the default on CUDA).
     api_processes_per_replica: int | Literal["auto"] = "auto"
     # The engine replicas' ServerConfig fields, with its defaults and its checks (when these args are

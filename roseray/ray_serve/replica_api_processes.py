@@ -1,9 +1,9 @@
 """API processes of a Ray Serve engine replica: several processes write its streams, on its port.
 
-Why: one API process spends ~5-8 us of CPU per streamed token. At 128 streams and a
-0.66 ms engine step (H100, W-seed) one process cannot write every stream every step and
-sends 2-6 steps per write, so clients see tokens in bursts. `roseray serve --api-processes
-N` (server/api_processes.py) spreads the writing over N processes with SO_REUSEPORT. A
+Why: an API process spends microseconds of CPU per streamed token. At 128 streams and a
+sub-millisecond engine step one process cannot write every stream every step and sends
+several steps per write, so clients see tokens in bursts. `roseray serve --api-processes
+N` (openai_api/api_processes.py) spreads the writing over N processes with SO_REUSEPORT. A
 Serve replica is one actor whose HTTP server Serve starts itself, after the constructor, on
 a port the controller allocates, without SO_REUSEPORT; and in that actor every request
 crosses from Serve's loop to the user code's. So N API processes take over that server's
