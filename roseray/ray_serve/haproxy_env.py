@@ -149,7 +149,8 @@ _WRAPPER = r'''#!{python} -IS
 # letting the routed backends retry an empty response (and, with ROSERAY_HAPROXY_SPLICE=0,
 # dropping the splice options), and answering what HAProxy itself answers while the app is
 # not served (no app deployed yet; the Router could not pick a replica) with a 503 in the
-# OpenAI error shape and Retry-After instead of Ray's plain-text 404 / 503. HAProxy gets SIGTERM
+# OpenAI error shape and Retry-After instead of Ray's plain-text 404 / 503 (and HAProxy's own
+# HTML 503 when a backend has no server up). HAProxy gets SIGTERM
 # when the process that started it (Serve's HAProxyManager actor) dies: `ray stop --force`
 # SIGKILLs that actor and the raylet, nobody stops HAProxy then, and it would keep the port.
 # -IS: the standard library only, no site-packages (HAProxy's start waits for this script).
@@ -167,6 +168,7 @@ SPLICE = os.environ.get("{splice_env}", "1") != "0"
 REUSE = os.environ.get("{reuse_env}", "")
 NOT_DEPLOYED = {not_deployed!r}
 NOT_ROUTED = {not_routed!r}
+NO_SERVER = {no_server!r}
 args = sys.argv[1:]
 for i, arg in enumerate(args[:-1]):
     if arg == "-f" and os.path.isfile(args[i + 1]):
@@ -192,6 +194,8 @@ for i, arg in enumerate(args[:-1]):
             if routed and REUSE and re.match(r"^\s*http-reuse\s", line):
                 line = "    http-reuse " + REUSE
             out.append(line)
+            if line.strip() == "defaults" and lines[j + 1:j + 2] != [NO_SERVER]:
+                out.append(NO_SERVER)  # HAProxy's own 503 (no server up in a backend), in the OpenAI shape
             if routed and line.startswith("backend ") and lines[j + 1:j + 2] != ["    retry-on " + RETRY_ON]:
                 out.append("    retry-on " + RETRY_ON)
         with open(path, "w") as f:
@@ -229,6 +233,10 @@ NOT_DEPLOYED = _unavailable("not ready: the model is not being served yet (start
 # HAProxy's answer when the Router answered no replica (Ray's: 503 "Ingress request router failed: <why>",
 # plain text; its X-Serve-Reason header stays).
 NOT_ROUTED = _unavailable("no engine replica can take the request now", "not_routed")
+# HAProxy's own 503 (its HTML page) when the chosen backend has no server up, e.g. a replica that
+# went away before Serve took it out of the config: the same shape, in every section.
+NO_SERVER = _unavailable("no engine replica is up to take the request", "no_replica").replace(
+    "http-request return status 503", "http-error status 503").replace("lf-string", "string")
 
 
 def find_haproxy() -> str:
@@ -257,7 +265,8 @@ def write_wrapper(state_dir: str, real_binary: str | None = None) -> str:
     with open(path, "w") as f:
         f.write(_WRAPPER.format(python=sys.executable, real=real_binary, retry_on=RETRY_ON,
                                 splice_env=SPLICE_ENV, reuse_env=REUSE_ENV,
-                                not_deployed=NOT_DEPLOYED, not_routed=NOT_ROUTED))
+                                not_deployed=NOT_DEPLOYED, not_routed=NOT_ROUTED,
+                                no_server=NO_SERVER))
     os.chmod(path, 0o700)
     return path
 

@@ -174,3 +174,27 @@ def test_the_rewritten_answers_are_valid_haproxy_and_answer_as_promised(tmp_path
 def test_haproxy_env_sets_the_draining_period(tmp_path, capsys, argv, expected):
     assert haproxy_env.main(["--dir", str(tmp_path / "hap"), *argv]) == 0
     assert f"export {haproxy_env.MIN_DRAINING_PERIOD_ENV}={expected}\n" in capsys.readouterr().out
+
+
+def test_haproxys_own_503_is_in_the_openai_shape_with_retry_after(tmp_path):
+    """A backend with no server up (a replica gone before Serve drops it from the config):
+    HAProxy's own HTML 503 becomes the OpenAI error shape with Retry-After."""
+    port = free_port()
+    rewritten = _rewrite(tmp_path, MINIMAL.format(port=port, rules="", default="    timeout queue 1s"))
+    assert rewritten.count(haproxy_env.NO_SERVER) == 1
+    assert _rewrite(tmp_path, rewritten) == rewritten  # a reload's second pass adds nothing
+    config = tmp_path / "haproxy.cfg"
+    real = haproxy_env.find_haproxy()
+    check = subprocess.run([real, "-c", "-f", str(config)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+    server = subprocess.Popen([real, "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_listening(port)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "1", reply.text
+        assert reply.headers["content-type"] == "application/json"
+        assert reply.json()["error"] == {"message": "no engine replica is up to take the request",
+                                         "type": "service_unavailable", "param": None, "code": "no_replica"}
+    finally:
+        server.kill()
+        server.wait(10)
