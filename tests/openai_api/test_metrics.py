@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from roseray.config import EngineConfig
 from roseray.openai_api.metrics import BisectHistogram
-from tests.openai_api.test_server_api import MODEL, serving, wait_until_idle
+from tests.openai_api.helpers import MODEL, serving, wait_until_idle
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.1, 1.0)
 

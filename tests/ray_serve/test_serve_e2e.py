@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import RAY_STATS_PERIOD_S as STATS_PERIOD_S
+from tests.ray_serve.helpers import wait_for_routing
 
 pytestmark = pytest.mark.ray
 
@@ -24,23 +25,6 @@ def cluster(ray_serve_cluster):
     return {"url": ray_serve_cluster.url, "engines": ray_serve_cluster.engines(),
             "stats_port": ray_serve_cluster.stats_port, "metrics_port": ray_serve_cluster.metrics_port,
             "fallback_port": ray_serve_cluster.fallback_port}
-
-
-def wait_for_routing(url: str, timeout_s: float = 60, headers: dict | None = None) -> None:
-    """HAProxy learns the Router and the replicas a little after serve.run returns; until
-    then it sends requests to replicas without a ticket (503) or fails them."""
-    deadline = time.monotonic() + timeout_s
-    successes, last = 0, None
-    while successes < 6:
-        try:
-            response = httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1}, timeout=10,
-                                  headers=headers)
-            successes = successes + 1 if response.status_code == 200 else 0
-            last = (response.status_code, dict(response.headers), response.text[:2000])
-        except httpx.HTTPError as error:
-            successes, last = 0, repr(error)
-        assert time.monotonic() < deadline, f"HAProxy never routed requests through the Router; last: {last}"
-        time.sleep(0.25)
 
 
 def test_openai_client_chat_and_completion_through_the_router(cluster):

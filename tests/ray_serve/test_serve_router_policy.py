@@ -35,7 +35,7 @@ from roseray.ray_serve.app import AppArgs, build_app, pick_with_reservation
 from roseray.ray_serve.haproxy_env import haproxy_env
 from roseray.ray_serve.routing import KVQueueRequestRouter
 from tests.conftest import RAY_ENGINE, RAY_STATS_PERIOD_S, free_port
-from tests.ray_serve.test_serve_e2e import wait_for_routing
+from tests.ray_serve.helpers import wait_for_routing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -21,8 +20,9 @@ from roseray.runtime.engine_client import EngineError
 from roseray.runtime.messages import AbortRequest, AddRequests, decode
 from roseray.runtime.process_client import EngineProcessClient
 from roseray.sampling_params import SamplingParams
-from tests.openai_api.test_server_api import serving, sse_events, wait_until_idle
+from tests.openai_api.helpers import serving, sse_events, wait_until_idle
 from tests.runtime.client_helpers import check_integrity, run_to_end, wait_outputs
+from tests.waiting import async_wait_until
 
 MODEL = "random:tiny"
 
@@ -110,10 +110,8 @@ def test_closing_a_stream_aborts_in_the_child_and_frees_its_blocks(child_engine)
             if received >= 5:
                 break
         stream.close()
-        deadline = time.monotonic() + 10
-        while child_engine.client.has_unfinished_requests():
-            assert time.monotonic() < deadline, "the abort did not reach the engine process"
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: not child_engine.client.has_unfinished_requests(),
+                               message="the abort reached the engine process")
         counts = await child_engine.check_integrity()
         assert counts["num_free_blocks"] == counts["num_total_blocks"] and counts["num_running"] == 0
         assert child_engine.stats.generation_tokens_total < 1000
@@ -195,10 +193,8 @@ def test_a_stalled_engine_process_fails_health_and_recovers_when_it_resumes():
             stream = await engine.add_request("slow", [1, 2], SamplingParams(max_tokens=1000, ignore_eos=True))
             await stream.__anext__()
             os.kill(engine.client.pid, signal.SIGSTOP)  # a hung device or a wedged process: no steps, no exit
-            deadline = time.monotonic() + 10
-            while engine.is_alive:
-                assert time.monotonic() < deadline, "a stalled engine process still counts as alive"
-                await asyncio.sleep(0.05)
+            await async_wait_until(lambda: not engine.is_alive, interval=0.05,
+                                   message="a stalled engine process no longer counts as alive")
             with pytest.raises(RuntimeError, match="stuck"):
                 engine.check_health()
             os.kill(engine.client.pid, signal.SIGCONT)
@@ -267,7 +263,7 @@ def test_started_on_an_event_loop_the_engine_process_is_driven_by_it():
         assert threading.active_count() == threads_before
         counts = await engine.check_integrity()  # on the loop, between two reads
         assert counts["num_free_blocks"] == counts["num_total_blocks"]
-        await asyncio.sleep(0.3)  # idle: the tick keeps the heartbeat fresh
+        await asyncio.sleep(0.3)  # time passes on an idle engine (3 heartbeats): the tick keeps it alive
         assert engine.is_alive
         process = engine.client._process
         await engine.shutdown()
