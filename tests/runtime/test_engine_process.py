@@ -190,7 +190,9 @@ def test_a_stalled_engine_process_fails_health_and_recovers_when_it_resumes():
         engine = AsyncLLMEngine.from_engine_config(config(engine_process=True), heartbeat_s=0.1, stuck_after_s=1.0)
         engine.start()
         try:
-            stream = await engine.add_request("slow", [1, 2], SamplingParams(max_tokens=1000, ignore_eos=True))
+            # long enough to be still running when the process stops right after its first delta, short enough
+            # to finish soon once it runs again
+            stream = await engine.add_request("slow", [1, 2], SamplingParams(max_tokens=200, ignore_eos=True))
             await stream.__anext__()
             os.kill(engine.client.pid, signal.SIGSTOP)  # a hung device or a wedged process: no steps, no exit
             await async_wait_until(lambda: not engine.is_alive, interval=0.05,
