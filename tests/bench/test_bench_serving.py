@@ -14,7 +14,7 @@ from roseray import cli
 from roseray.bench import serving, stream
 from roseray.bench.serving_client import http_bursts, one_stream, seed_request
 from roseray.bench.stream_connection import StreamConnection
-from tests.bench.test_bench_stream import small_seed_workload
+from tests.bench.helpers import small_seed_workload
 
 
 @contextlib.contextmanager

@@ -1,8 +1,28 @@
-"""What the Ray Serve tests share: waiting until HAProxy routes requests through the Router."""
+"""What the Ray Serve tests share: waiting until HAProxy routes requests through the Router,
+and a Router endpoint app (no Ray) that always picks one replica."""
 
 import httpx
 
+from roseray.ray_serve import wiring
+from roseray.ray_serve.router_endpoint import RouterEndpoint
+from roseray.ray_serve.ticket import TicketSigner
 from tests.waiting import wait_until
+
+SECRET = "s" * 32
+PICK = wiring.ReplicaPick(host="10.0.0.7", port=30001, replica_id="roseray#Engine#abc")
+
+
+def endpoint(calls=None, error=None) -> RouterEndpoint:
+    """A RouterEndpoint whose pick records its arguments in `calls` and returns PICK (or raises `error`)."""
+
+    async def pick(body, session_id, truncated):
+        if calls is not None:
+            calls.append((body, session_id, truncated))
+        if error is not None:
+            raise error
+        return PICK
+
+    return RouterEndpoint(pick, TicketSigner(SECRET))
 
 
 def wait_for_routing(url: str, timeout_s: float = 60, headers: dict | None = None) -> None:
