@@ -58,7 +58,7 @@ def fake_completions(requests: list):
         await response.prepare(request)
         for _ in range(body["max_tokens"]):
             await response.write(b'data: {"id":"a","choices":[{"text":"x"}]}\n\n')
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # a server generating tokens: the behaviour the benchmark measures
         usage = {"id": "a", "choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
         await response.write(f"data: {json.dumps(usage, separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode())
         return response

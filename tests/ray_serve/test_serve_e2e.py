@@ -2,7 +2,7 @@
 app with two CPU engine replicas of random:tiny, traffic through HAProxy and the Router.
 
 The cluster is the session's (tests/conftest.py: ray_serve_cluster), shared with
-tests/test_hardening_ray.py and tests/test_locust.py; its replica list is read when this
+tests/ray_serve/test_hardening_ray.py and tests/bench/test_locust.py; its replica list is read when this
 module starts (a test before may have replaced a replica)."""
 
 import asyncio
