@@ -14,7 +14,7 @@ from roseray import cli
 from roseray.bench import serving, stream
 from roseray.bench.serving_client import http_bursts, one_stream, seed_request
 from roseray.bench.stream_connection import StreamConnection
-from tests.bench.test_bench_stream import small_seed_workload
+from tests.bench.helpers import small_seed_workload
 
 
 @contextlib.contextmanager
@@ -58,7 +58,7 @@ def fake_completions(requests: list):
         await response.prepare(request)
         for _ in range(body["max_tokens"]):
             await response.write(b'data: {"id":"a","choices":[{"text":"x"}]}\n\n')
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0.001)  # a server generating tokens: the behaviour the benchmark measures
         usage = {"id": "a", "choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
         await response.write(f"data: {json.dumps(usage, separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode())
         return response

@@ -3,17 +3,11 @@
 import pytest
 
 from roseray.bench import stream
-from roseray.sampling_params import SamplingParams
+from tests.bench.helpers import small_seed_workload
 
 
 def _run(tok_s: float) -> dict:
     return {"throughput_tok_s": tok_s, "ttft_ms": {"p50": tok_s / 1e3}}
-
-
-def small_seed_workload(num_requests: int, max_tokens: int):
-    """W-seed's shape with a prompt token the tiny preset's vocabulary has (15496 is GPT-2's)."""
-    return ([[7] for _ in range(num_requests)],
-            [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens) for _ in range(num_requests)])
 
 
 def test_median_pass_reports_the_middle_burst_and_every_burst():

@@ -42,7 +42,7 @@ async def _serve(answers: list[list[bytes]], close_after: bool = False):
                 for piece in pieces:
                     writer.write(piece)
                     await writer.drain()
-                    await asyncio.sleep(pause)
+                    await asyncio.sleep(pause)  # the pieces arrive as separate reads: the behaviour under test
             if close_after:
                 writer.close()
             else:

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -18,6 +17,7 @@ import torch
 from roseray import cli
 from roseray.config import EngineConfig, ServerConfig
 from tests.conftest import free_port
+from tests.waiting import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
@@ -176,11 +176,11 @@ def test_debug_flag_or_env_shows_the_traceback():
 
 def interrupt_when(process: subprocess.Popen, ready, timeout: float = 90) -> tuple[int, str, str]:
     """SIGINT `process` once `ready()` holds; its exit code and the rest of its stdout and stderr."""
-    deadline = time.monotonic() + timeout
-    while not ready():
+    def process_ready():
         assert process.poll() is None, process.communicate()[0]
-        assert time.monotonic() < deadline, "not ready in time"
-        time.sleep(0.1)
+        return ready()
+
+    wait_until(process_ready, timeout=timeout, interval=0.05, message="ready")
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=60)
     return process.returncode, stdout or "", stderr or ""

@@ -23,7 +23,7 @@ from roseray_kernels.activation import silu_and_mul, silu_and_mul_reference
 from roseray_kernels.fused_norm import layernorm, layernorm_reference, rmsnorm, rmsnorm_reference
 from roseray_kernels.rotary import rotary_qk_, rotary_qk_reference
 from roseray_kernels.sampling import gumbel_max_sample, split_columns
-from tests.models.test_models import _metadata
+from tests.models.helpers import step_metadata
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
@@ -243,7 +243,7 @@ def test_model_logits_on_the_triton_path_equal_the_torch_path(kind, tiny_checkpo
     config = load_model_config(str(path))
     model = load_model(config, str(path), DEVICE, torch.float32)
     prompt = torch.randint(1, config.vocab_size, (9,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    meta = _metadata([([0] * 3, 0, 9)])
+    meta = step_metadata([([0] * 3, 0, 9)])
     meta.slot_mapping.fill_(-1)  # a forward without a KV cache
     meta = type(meta)(**{name: (value.to(DEVICE) if isinstance(value, torch.Tensor) else value)
                          for name, value in vars(meta).items()})

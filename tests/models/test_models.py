@@ -8,8 +8,9 @@ import pytest
 import torch
 import transformers
 
-from roseray.layers.attention import Attention, AttentionMetadata, attention_metadata
+from roseray.layers.attention import Attention, attention_metadata
 from roseray.models.loader import load_model, load_model_config
+from tests.models.helpers import step_metadata
 from tests.models.hf_models import KINDS, VOCAB_SIZE, load_hf_model
 
 BLOCK_SIZE = 4
@@ -32,27 +33,6 @@ def checkpoint(request, tiny_checkpoint):
 def _load(path):
     config = load_model_config(str(path))
     return load_model(config, str(path), "cpu", torch.float32), config
-
-
-def _metadata(steps: list[tuple[list[int], int, int]], block_size: int = BLOCK_SIZE) -> AttentionMetadata:
-    """Metadata for one step; each sequence is (block_table, num_cached_tokens, num_new_tokens)."""
-    slots, query_start, seq_lens = [], [0], []
-    for table, start, count in steps:
-        slots += [table[pos // block_size] * block_size + pos % block_size for pos in range(start, start + count)]
-        query_start.append(query_start[-1] + count)
-        seq_lens.append(start + count)
-    width = max(len(table) for table, _, _ in steps)
-    tables = [table + [-1] * (width - len(table)) for table, _, _ in steps]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),  # [num_seqs, width]
-        max_query_len=max(count for _, _, count in steps),
-        max_seq_len=max(seq_lens),
-        num_seqs=len(steps),
-        block_size=block_size,
-    )
 
 
 def _bind_kv_cache(model, config, num_blocks: int) -> int:
@@ -78,7 +58,7 @@ def test_prefill_without_cache_matches_hf(checkpoint):
     kind, path, prompts, expected = checkpoint
     model, _ = _load(path)
     spans = [(0, len(prompt)) for prompt in prompts]
-    meta = _metadata([([0] * 3, 0, len(prompt)) for prompt in prompts])
+    meta = step_metadata([([0] * 3, 0, len(prompt)) for prompt in prompts])
     meta.slot_mapping.fill_(-1)  # no cache: nothing is written
     for got, want in zip(_run(model, prompts, spans, meta), expected):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4, msg=lambda m: f"{kind}: {m}")
@@ -92,7 +72,7 @@ def test_paged_prefill_chunks_and_decode_match_hf(checkpoint):
     # (prompt 0 span, prompt 1 span) per step: prefill, a chunk beside a decode, then decodes.
     schedule = [((0, 6), (0, 3)), ((6, 8), (3, 4)), ((8, 9), (4, 5)), ((9, 10), (5, 6)), ((10, 11), (6, 7))]
     for step, spans in enumerate(schedule):
-        meta = _metadata([(table, start, end - start) for table, (start, end) in zip(tables, spans)])
+        meta = step_metadata([(table, start, end - start) for table, (start, end) in zip(tables, spans)])
         for seq, (got, (start, end)) in enumerate(zip(_run(model, prompts, spans, meta), spans)):
             torch.testing.assert_close(
                 got, expected[seq][start:end], atol=ATOL, rtol=1e-4,
@@ -112,7 +92,7 @@ def test_odd_vocab_gpt2_matches_hf_through_padded_lm_head(tmp_path):
     wte = model.transformer.wte.weight
     assert wte.untyped_storage().nbytes() == 320 * 64 * 4  # padded storage behind the [317, 64] embedding
     prompt = torch.randint(0, 317, (9,), generator=torch.Generator().manual_seed(2))
-    meta = _metadata([([0] * 3, 0, 9)])
+    meta = step_metadata([([0] * 3, 0, 9)])
     meta.slot_mapping.fill_(-1)
     got = _run(model, [prompt], [(0, 9)], meta)[0]
     with torch.no_grad():
@@ -125,7 +105,7 @@ def test_random_tiny_preset_runs():
     config = load_model_config("random:tiny")
     model = load_model(config, "random:tiny", "cpu", torch.float32)
     again = load_model(config, "random:tiny", "cpu", torch.float32)
-    meta = _metadata([([0], 0, 3)])
+    meta = step_metadata([([0], 0, 3)])
     meta.slot_mapping.fill_(-1)
     ids = torch.tensor([1, 2, 3])
     logits = _run(model, [ids], [(0, 3)], meta)[0]

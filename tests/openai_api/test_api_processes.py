@@ -11,13 +11,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 import pytest
 
 from tests.conftest import free_port
-from tests.openai_api.test_server_api import sse_events
+from tests.openai_api.helpers import metric, sse_events
+from tests.waiting import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PIDS = re.compile(r"2 API processes on 127\.0\.0\.1:\d+ \(pids (\d+) (\d+)\), one engine process \(pid (\d+)\)")
@@ -36,9 +36,9 @@ class Server:
              "--api-processes", "2", "--num-kv-blocks", "256", "--max-model-len", "2048", "--max-num-seqs", "64",
              "--drain-timeout", "2"], env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.num_requests = 0  # generation requests that finished, for the metrics test
-        deadline = time.monotonic() + 90
         ready = set()  # the API processes that answered /ready (each listens once its app is up)
-        while True:
+
+        def both_ready():
             assert self.process.poll() is None, self.output()
             match = PIDS.search(self.output())
             if match:
@@ -48,10 +48,10 @@ class Server:
                         ready.add(r.headers["x-roseray-replica"].rpartition("/")[2])
                 except httpx.HTTPError:
                     pass
-                if ready == {"api0", "api1"}:
-                    break
-            assert time.monotonic() < deadline, "the server did not become ready:\n" + self.output()
-            time.sleep(0.05)
+            return match if ready == {"api0", "api1"} else None
+
+        match = wait_until(both_ready, timeout=90, interval=0.05,
+                           message=lambda: "the server did not become ready:\n" + self.output())
         self.worker_pids = [int(match.group(1)), int(match.group(2))]
         self.engine_pid = int(match.group(3))
 
@@ -89,14 +89,8 @@ def alive(pid: int) -> bool:
 
 
 def wait_gone(pids: list[int], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, [pid for pid in pids if alive(pid)]
-        time.sleep(0.05)
-
-
-def metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    wait_until(lambda: not any(alive(pid) for pid in pids), timeout=timeout_s, interval=0.05,
+               message=lambda: f"still alive: {[pid for pid in pids if alive(pid)]}")
 
 
 @pytest.fixture(scope="module")
@@ -145,17 +139,15 @@ def test_metrics_count_every_request_whichever_process_answers(server):
             "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 3, "ignore_eos": True})
         assert response.status_code == 200
         server.num_requests += 1
-    deadline = time.monotonic() + 5  # the other process's part is up to 1 s old
-    while True:
-        text = httpx.get(server.url + "/metrics", timeout=10).text
-        if metric(text, "roseray:request_success_total") == server.num_requests:
-            break
-        assert time.monotonic() < deadline, (metric(text, "roseray:request_success_total"), server.num_requests)
-        time.sleep(0.2)
+    # the other process's part is up to 1 s old
+    wait_until(lambda: metric(httpx.get(server.url + "/metrics", timeout=10).text,
+                              "roseray:request_success_total") == server.num_requests,
+               timeout=5, interval=0.05, message=f"{server.num_requests} requests counted")
     # every process counts every request once its siblings' latest snapshots are in (<= 1 s):
     # until then a scrape may lag by the requests a sibling served since its last write
-    answered, deadline = set(), time.monotonic() + 5
-    while answered != {"api0", "api1"}:
+    answered = set()
+
+    def both_count_every_request():
         response = httpx.get(server.url + "/metrics", timeout=10)  # a new connection: either process
         counts = [metric(response.text, name) for name in ("roseray:request_success_total",
                   "roseray:e2e_request_latency_seconds_count", 'roseray:e2e_request_latency_seconds_bucket{le="+Inf"')]
@@ -163,8 +155,10 @@ def test_metrics_count_every_request_whichever_process_answers(server):
             answered.add(response.headers["x-roseray-replica"].rsplit("/", 1)[1])
         else:
             assert all(c <= server.num_requests for c in counts), counts  # never counted twice
-            assert time.monotonic() < deadline, (counts, server.num_requests, answered)
-            time.sleep(0.1)
+        return response if answered == {"api0", "api1"} else None
+
+    response = wait_until(both_count_every_request, timeout=5, interval=0.05,
+                          message=lambda: f"both processes count {server.num_requests} requests; did: {answered}")
     # where the shared engine's time went: its steps, and sending their outputs to both processes
     steps = metric(response.text, "roseray:engine_steps_total")
     step_s, output_s = (metric(response.text, f"roseray:engine_{part}_seconds_total") for part in ("step", "output"))
@@ -188,21 +182,19 @@ def test_a_client_gone_mid_stream_frees_its_kv_blocks(server):
         lines = r.iter_lines()
         while not next(lines).startswith("data: "):
             pass
-        deadline = time.monotonic() + 5
-        while engine_metrics()[0] == 0:  # the answering process's view of the engine catches up
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        # the answering process's view of the engine catches up
+        wait_until(lambda: engine_metrics()[0] > 0, timeout=5, interval=0.05, message="the request running")
     # the connection is closed: its API process aborts the request in the engine. Either
     # process may answer a scrape, each with its view of the engine (at most ~0.5 s old):
-    # two views 0.6 s apart that agree on an idle engine and its token count are current.
-    deadline, previous = time.monotonic() + 10, None
-    while True:
-        current = engine_metrics()
-        if current[:2] == (0, 0) and current == previous:
-            break
-        assert time.monotonic() < deadline, current
-        previous = current
-        time.sleep(0.6)
+    # two views 0.6 s apart (the polling interval) that agree on an idle engine and its token count are current.
+    views = [None]
+
+    def idle_twice():
+        views.append(engine_metrics())
+        return views[-1][:2] == (0, 0) and views[-1] == views[-2]
+
+    wait_until(idle_twice, timeout=10, interval=0.6, message=lambda: f"an idle engine; last view {views[-1]}")
+    current = views[-1]
     assert current[2] < generated_before + 2000  # aborted, not finished
     text = httpx.get(server.url + "/metrics", timeout=10).text
     assert metric(text, "roseray:num_kv_blocks_free") == metric(text, "roseray:num_kv_blocks_total") == 256

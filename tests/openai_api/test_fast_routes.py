@@ -56,7 +56,7 @@ def call(app, path: str, body: bytes = b"", *, method: str = "POST", content_typ
     async def receive():
         if messages:
             return messages.pop(0)
-        await asyncio.sleep(3600)
+        await asyncio.Event().wait()  # a client that has sent everything and stays: no more messages, ever
 
     async def send(message):
         sent.append(message)

@@ -32,7 +32,8 @@ import pytest
 from roseray.config import EngineConfig, ServerConfig
 from roseray.openai_api.standalone import build_server
 from roseray.runtime.async_engine import AsyncLLMEngine
-from tests.openai_api.test_server_api import MODEL, assert_openai_error, serving, wait_until_idle
+from tests.openai_api.helpers import MODEL, assert_openai_error, serving, wait_until_idle
+from tests.waiting import wait_until
 
 TIMEOUT = httpx.Timeout(60, connect=10)
 
@@ -335,7 +336,7 @@ class DrainingServing:
         real_step = llm.step
 
         def slow_step():
-            time.sleep(step_delay_s)
+            time.sleep(step_delay_s)  # a slow engine step: streams are still running when the drain starts
             return real_step()
 
         llm.step = slow_step
@@ -349,10 +350,8 @@ class DrainingServing:
 
     def __enter__(self) -> "DrainingServing":
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+        wait_until(lambda: self.server.started or not self.thread.is_alive(), timeout=30, message="uvicorn started")
+        assert self.server.started, "uvicorn did not start"
         return self
 
     def terminate(self) -> None:
@@ -374,10 +373,7 @@ def test_drain_lets_in_flight_finish_and_refuses_new_with_503():
                 assert next(lines).startswith("data: ")
                 terminated = time.monotonic()
                 s.terminate()
-                deadline = time.monotonic() + 5
-                while s.engine.is_ready:  # the drain has begun
-                    assert time.monotonic() < deadline
-                    time.sleep(0.01)
+                wait_until(lambda: not s.engine.is_ready, timeout=5, message="the drain has begun")
                 refused = late.post("/v1/completions", json={"prompt": "too late", "max_tokens": 2})
                 error = assert_openai_error_any_replica(refused, 503)
                 assert "draining" in error["message"] and refused.headers["retry-after"] == "1"

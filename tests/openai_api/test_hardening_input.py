@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from roseray.config import EngineConfig
-from tests.openai_api.test_server_api import MODEL, assert_openai_error, serving, wait_until_idle
+from tests.openai_api.helpers import MODEL, assert_openai_error, serving, wait_until_idle
 
 MAX_MODEL_LEN = 128
 VOCAB = 512  # random:tiny's byte-level vocabulary

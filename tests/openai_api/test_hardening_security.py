@@ -19,7 +19,7 @@ from roseray import cli
 from roseray.config import EngineConfig, ServerConfig
 from roseray.openai_api import auth
 from roseray.openai_api.api import create_app
-from tests.openai_api.test_server_api import MODEL, REPLICA, assert_openai_error, serving
+from tests.openai_api.helpers import MODEL, REPLICA, assert_openai_error, serving
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 KEY = "s3cret-key-for-tests"

@@ -4,7 +4,6 @@ client that went away (streamed or whole) as "abort"."""
 
 import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -15,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from roseray.config import EngineConfig
 from roseray.openai_api.metrics import BisectHistogram
-from tests.openai_api.test_server_api import MODEL, serving, wait_until_idle
+from tests.openai_api.helpers import MODEL, serving, wait_until_idle
+from tests.waiting import wait_until
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.1, 1.0)
 
@@ -60,11 +60,14 @@ def finished(client: httpx.Client) -> dict[str, float]:
 
 
 def wait_for_count(client: httpx.Client, reason: str, value: float, timeout_s: float = 10.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while (counts := finished(client)).get(reason) != value:
-        assert time.monotonic() < deadline, f"request_success_total{{finished_reason={reason!r}}}: {counts}"
-        time.sleep(0.01)
-    return counts
+    seen = [None]
+
+    def counted():
+        seen[0] = finished(client)
+        return seen[0] if seen[0].get(reason) == value else None
+
+    return wait_until(counted, timeout=timeout_s,
+                      message=lambda: f"request_success_total{{finished_reason={reason!r}}} == {value}: {seen[0]}")
 
 
 LONG = {"prompt": "a long one", "max_tokens": 450, "ignore_eos": True}
@@ -92,10 +95,7 @@ def test_a_whole_request_left_by_its_client_is_counted_as_abort(server):
             body = json.dumps(LONG).encode()
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                          b"content-length: %d\r\n\r\n%s" % (len(body), body))
-            deadline = time.monotonic() + 10
-            while engine.stats.generation_tokens_total < tokens + 2:  # generating
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_until(lambda: engine.stats.generation_tokens_total >= tokens + 2, message="generating")
         counts = wait_for_count(client, "abort", before["abort"] + 1)
         wait_until_idle(engine)
         assert counts["length"] == before["length"] and counts["stop"] == before["stop"]

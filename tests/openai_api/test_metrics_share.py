@@ -5,7 +5,7 @@ and a process that has not published yet adds nothing."""
 from roseray.openai_api.metrics import ServerMetrics
 from roseray.openai_api.metrics_share import MetricsShare
 from roseray.runtime.async_engine import AsyncEngineStats
-from tests.openai_api.test_api_processes import metric
+from tests.openai_api.helpers import metric
 
 
 def observe(metrics: ServerMetrics, num_requests: int) -> None:

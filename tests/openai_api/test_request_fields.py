@@ -21,7 +21,7 @@ from roseray.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from tests.openai_api.test_server_api import assert_openai_error, serving
+from tests.openai_api.helpers import assert_openai_error, serving
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "request-fields.md"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -2,55 +2,15 @@
 completions and chat, streamed and whole, usage, logprobs, OpenAI-shaped errors
 (400/401/404/429), disconnects freeing blocks, the replica header, /metrics."""
 
-import contextlib
 import json
 import socket
-import threading
-import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
 
-from roseray.config import EngineConfig, ServerConfig
-from roseray.openai_api.api import create_app
-from roseray.runtime.async_engine import AsyncLLMEngine
-
-MODEL = "random:tiny"
-REPLICA = "test-replica-0"
-
-
-@contextlib.contextmanager
-def serving(config: EngineConfig, step_delay_s: float = 0.0, request_guard=None, **settings):
-    """Serve the app on a free loopback port, with ServerConfig `settings` and `request_guard`.
-    `step_delay_s` slows every engine step, so that long requests are still running when a
-    test acts on them."""
-    engine = AsyncLLMEngine.from_engine_config(config, heartbeat_s=0.2)
-    llm = engine.client
-    if step_delay_s:  # the LLMEngine on its thread (an InProcessEngineClient)
-        real_step = llm.engine.step
-
-        def slow_step():
-            time.sleep(step_delay_s)
-            return real_step()
-
-        llm.engine.step = slow_step
-    app = create_app(engine, ServerConfig(**{"drain_timeout_s": 1.0, **settings}), replica_name=REPLICA,
-                     request_guard=request_guard)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, engine=engine, tokenizer=llm.tokenizer)
-    finally:
-        server.should_exit = True
-        thread.join(15)
+from roseray.config import EngineConfig
+from tests.openai_api.helpers import MODEL, REPLICA, assert_openai_error, serving, sse_events, wait_until_idle
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -64,33 +24,6 @@ def server():
 def client(server):
     with httpx.Client(base_url=server.url, timeout=30) as c:
         yield c
-
-
-def sse_events(text: str) -> list:
-    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    assert response.headers["x-roseray-replica"] == REPLICA
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param
-    return error
-
-
-def wait_until_idle(engine, timeout_s: float = 5.0):
-    total = engine.stats.num_total_blocks
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        s = engine.stats
-        if s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == total and not engine.num_active_requests:
-            return s
-        time.sleep(0.01)
-    pytest.fail(f"engine still busy: {engine.stats}, {engine.num_active_requests} streams")
 
 
 def test_completion_whole_and_streamed_agree_with_usage(server, client):
@@ -211,10 +144,7 @@ def test_whole_request_disconnect_aborts_and_frees_blocks(server):
         body = json.dumps({"prompt": "wait for me", "max_tokens": 450, "ignore_eos": True}).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
-        deadline = time.monotonic() + 10
-        while engine.stats.generation_tokens_total < before + 5:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: engine.stats.generation_tokens_total >= before + 5, message="the request is generating")
     generated = wait_until_idle(engine, timeout_s=0.5).generation_tokens_total - before
     assert generated < 450  # aborted, not run to the end
 

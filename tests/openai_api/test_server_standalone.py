@@ -5,11 +5,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 
 from tests.conftest import free_port
+from tests.waiting import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,16 +28,14 @@ def test_standalone_serves_and_drains_on_sigterm():
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def ready():
             assert proc.poll() is None, proc.stdout.read()
             try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
+                return httpx.get(url + "/ready", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the standalone server did not become ready"
-            time.sleep(0.2)
+                return False
+
+        wait_until(ready, timeout=60, interval=0.05, message="the standalone server became ready")
         auth = {"authorization": "Bearer sesame"}
         chat = httpx.post(url + "/v1/chat/completions", headers=auth, timeout=30,
                           json={"model": "tiny", "messages": [{"role": "user", "content": "zebra-secret"}],

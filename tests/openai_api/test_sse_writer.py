@@ -11,6 +11,7 @@ import pytest
 from roseray.engine.outputs import RequestDelta
 from roseray.openai_api.sse_writer import EngineSSEResponse, SSEWriter, send_now
 from roseray.runtime.request_stream import RequestStream
+from tests.waiting import async_wait_until
 
 
 class Owner:
@@ -220,7 +221,8 @@ def test_the_response_sends_headers_then_the_stream_and_aborts_on_disconnect():
 
         response = EngineSSEResponse(stream, render, render_error, headers={"Cache-Control": "no-cache"})
         call = asyncio.ensure_future(response({"type": "http"}, receive, transport.send))
-        await asyncio.sleep(0)
+        # the headers are sent, and the writer attached to the stream in the same step
+        await async_wait_until(lambda: transport.messages, timeout=5, message="the response started")
         hand_off(stream, delta("a"))
         start = transport.messages[0]
         assert start["type"] == "http.response.start" and start["status"] == 200

@@ -20,6 +20,7 @@ import yaml
 from roseray.ray_serve.background import cmdline, haproxy_pids, session_pids
 from roseray.ray_serve.haproxy_env import haproxy_env
 from tests.conftest import free_port
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_ENGINE = {"model": "random:tiny", "max_num_seqs": 4, "max_waiting_requests": 16, "max_model_len": 2048,
@@ -100,20 +101,19 @@ class ServeRun:
     def wait_serving(self, timeout_s: float = START_TIMEOUT_S, in_a_row: int = 3) -> None:
         """Until completions come back through HAProxy `in_a_row` times in a row (for a moment after
         the first, HAProxy may still send one past the Router: 503 not_routed)."""
-        deadline = time.monotonic() + timeout_s
-        successes = 0
-        while time.monotonic() < deadline:
+        successes = [0]
+
+        def serving() -> bool:
             assert self.process.poll() is None, f"serve run exited:\n{self.log()[-4000:]}"
             try:
                 reply = httpx.post(f"{self.url}/v1/completions", timeout=10,
                                    json={"model": SMALL_ENGINE["model"], "prompt": "hi", "max_tokens": 1})
-                successes = successes + 1 if reply.status_code == 200 else 0
+                successes[0] = successes[0] + 1 if reply.status_code == 200 else 0
             except httpx.HTTPError:
-                successes = 0
-            if successes == in_a_row:
-                return
-            time.sleep(0.3)
-        raise AssertionError(f"not serving after {timeout_s} s:\n{self.log()[-4000:]}")
+                successes[0] = 0
+            return successes[0] >= in_a_row
+
+        wait_until(serving, timeout=timeout_s, interval=0.1, message=lambda: f"serving:\n{self.log()[-4000:]}")
 
     def signal_and_wait(self, signum: int, timeout_s: float) -> float:
         """Send `signum` to the process started (`serve run`, or make); seconds until it exited

@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from roseray.ray_serve import background
 from roseray.ray_serve.haproxy_env import find_haproxy
 from tests.conftest import free_port
 from tests.ray_serve.serve_run import port_is_free
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = """defaults
@@ -45,10 +45,7 @@ def _haproxy_under(state_dir: Path, parent_title: str | None) -> tuple[subproces
         process = subprocess.Popen(["bash", "-c", f'exec -a "{parent_title}" {sys.executable} -c "{script}"'],
                                    stdout=subprocess.PIPE, text=True)
         haproxy = int(process.stdout.readline())
-    deadline = time.monotonic() + 20
-    while port_is_free(port):
-        assert time.monotonic() < deadline, "HAProxy did not start"
-        time.sleep(0.05)
+    wait_until(lambda: not port_is_free(port), timeout=20, interval=0.05, message="HAProxy started")
     return process, haproxy, port
 
 
@@ -93,7 +90,7 @@ def test_stop_leaves_the_haproxy_of_a_running_server_alone(tmp_path):
 
 def test_a_recorded_pid_that_is_not_serve_run_is_not_signalled(tmp_path):
     """A pid file outliving its server, its pid reused by another process."""
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a process that just lives
     try:
         (tmp_path / "run").mkdir()
         (tmp_path / "run" / "serve.pid").write_text(f"{other.pid}\n")

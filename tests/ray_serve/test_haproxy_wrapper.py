@@ -11,7 +11,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -47,16 +46,13 @@ import asyncio, sys
 async def main():
     proc = await asyncio.create_subprocess_exec(*sys.argv[1:])
     print(proc.pid, flush=True)
-    await asyncio.sleep(3600)
+    await asyncio.sleep(3600)  # waits to be killed: the behaviour under test
 asyncio.run(main())
 """
 
 
 def _wait_listening(port: int, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while port_is_free(port):
-        assert time.monotonic() < deadline, f"nothing listens on {port}"
-        time.sleep(0.05)
+    wait_until(lambda: not port_is_free(port), timeout=timeout_s, interval=0.05, message=f"something listens on {port}")
 
 
 def test_haproxy_dies_with_the_process_that_started_it(tmp_path):

@@ -26,23 +26,12 @@ import time
 import httpx
 import pytest
 
+from tests.ray_serve.helpers import wait_for_routing
+from tests.waiting import wait_until
+
 pytestmark = pytest.mark.ray
 
 LONG_TOKENS = 1500  # a few seconds per stream on CPU: still running when the replica dies
-
-
-def wait_for_routing(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    successes = 0
-    while successes < 4:
-        try:
-            ok = httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1},
-                            timeout=10).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        successes = successes + 1 if ok else 0
-        assert time.monotonic() < deadline, "HAProxy never routed requests through the Router"
-        time.sleep(0.1)
 
 
 class Stream:
@@ -90,10 +79,8 @@ def test_killing_an_engine_replica_under_load(ray_serve_cluster):
     pool = concurrent.futures.ThreadPoolExecutor(24)
     streams = [Stream(cluster.url, i) for i in range(8)]
     futures = [pool.submit(s.run) for s in streams]
-    deadline = time.monotonic() + 30
-    while not (all(len(s.events) >= 5 for s in streams) and len({s.replica for s in streams}) == 2):
-        assert time.monotonic() < deadline, [(s.replica, len(s.events), s.error) for s in streams]
-        time.sleep(0.05)
+    wait_until(lambda: all(len(s.events) >= 5 for s in streams) and len({s.replica for s in streams}) == 2,
+               timeout=30, interval=0.05, message=lambda: f"{[(s.replica, len(s.events), s.error) for s in streams]}")
     victim = streams[0].replica.split("#", 1)[1]
     killed_at = time.monotonic()
     cluster.command("kill", replica=victim)
@@ -108,19 +95,21 @@ def test_killing_an_engine_replica_under_load(ray_serve_cluster):
     assert not any(r.headers["x-roseray-replica"] == f"Engine#{victim}" for r in burst)
 
     # new requests while Serve heals: every one is answered, none by the dead replica
-    answered, replacement = [], None
-    deadline = time.monotonic() + 60
-    while replacement is None or sum(1 for _, r in answered if r == replacement) < 3:
-        assert time.monotonic() < deadline, f"no replacement took traffic: {answered[-5:]}"
+    answered, replacement = [], [None]
+
+    def replacement_took_traffic() -> bool:  # one request a call, every 0.1 s
         response = httpx.post(cluster.url + "/v1/completions", json={"prompt": f"during {len(answered)}",
                                                                      "max_tokens": 4}, timeout=30)
         assert response.status_code == 200, (time.monotonic() - killed_at, response.status_code, response.text)
         answered.append((time.monotonic() - killed_at, response.headers["x-roseray-replica"]))
-        if replacement is None and len(answered) % 5 == 0:
+        if replacement[0] is None and len(answered) % 5 == 0:
             running = {r["replica_id"] for r in cluster.command("replicas") if r["state"] == "RUNNING"}
             new = running - set(before)
-            replacement = f"Engine#{new.pop()}" if new else None
-        time.sleep(0.1)
+            replacement[0] = f"Engine#{new.pop()}" if new else None
+        return replacement[0] is not None and sum(1 for _, r in answered if r == replacement[0]) >= 3
+
+    wait_until(replacement_took_traffic, timeout=60, interval=0.1,
+               message=lambda: f"a replacement took traffic: {answered[-5:]}")
     assert not any(replica == f"Engine#{victim}" for _, replica in answered), answered
 
     for future in futures:

@@ -30,7 +30,8 @@ from roseray.ray_serve.replica_api_worker import ServeProbes
 from roseray.ray_serve.replica_port import listening_socket_fd
 from roseray.runtime.async_engine import LoopState
 from tests.conftest import RayServeCluster
-from tests.ray_serve.test_serve_e2e import wait_for_routing
+from tests.ray_serve.helpers import wait_for_routing
+from tests.waiting import async_wait_until, wait_until
 
 API_PROCESSES = 3
 API_KEY = "api-processes-key"  # the app's api_key: every API process checks it
@@ -141,22 +142,24 @@ def cluster():
         # accepting (HAProxy may keep a connection or two it opened before: those stay with it)
         deadline = time.monotonic() + 90
         for _, port in cluster.engines():
-            seen, streak = set(), 0
-            while seen < {f"api{i}" for i in range(1, API_PROCESSES + 1)} or streak < 10:
-                assert time.monotonic() < deadline, f"{port}: {seen}, {worker_pids() - before}\n{cluster.log_tail()}"
+            seen, streak = set(), [0]
+
+            def all_serve(port=port, seen=seen, streak=streak) -> bool:
                 with contextlib.suppress(httpx.HTTPError):  # a new connection each time
                     name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5,
                                      headers=AUTH).headers["x-roseray-replica"]
                     seen.add(name.rsplit("/", 1)[-1])
-                    streak = streak + 1 if "/api" in name else 0
-                time.sleep(0.05)
+                    streak[0] = streak[0] + 1 if "/api" in name else 0
+                return seen >= {f"api{i}" for i in range(1, API_PROCESSES + 1)} and streak[0] >= 10
+
+            wait_until(all_serve, timeout=max(0.0, deadline - time.monotonic()), interval=0.05,
+                       message=lambda port=port, seen=seen: f"{port}: {seen}, {worker_pids() - before}\n"
+                                                            f"{cluster.log_tail()}")
         yield cluster
     finally:
         cluster.close()
-    deadline = time.monotonic() + 30
-    while worker_pids() - before:
-        assert time.monotonic() < deadline, f"API processes left after Serve stopped: {worker_pids() - before}"
-        time.sleep(0.5)
+    wait_until(lambda: not worker_pids() - before, timeout=30, interval=0.1,
+               message=lambda: f"API processes gone after Serve stopped; left: {worker_pids() - before}")
 
 
 async def _stream(client: httpx.AsyncClient, url: str, i: int) -> str:
@@ -234,16 +237,14 @@ def test_metrics_count_the_requests_of_every_process(cluster):
     def successes() -> float:  # each replica's port, whichever of its processes answers
         return sum(scrape(f"http://127.0.0.1:{port}")["roseray:request_success_total"] for _, port in engines)
 
-    deadline = time.monotonic() + 5
-    while (start := successes()) != successes():  # settled: the processes' shared snapshots agree
-        assert time.monotonic() < deadline
-        time.sleep(0.3)
+    # settled: two scrapes in a row agree (the processes' shared snapshots)
+    start = wait_until(lambda: (first := successes()) == successes() and (first,), timeout=5, interval=0.05,
+                       message="the success counts settled")[0]
     counts = served_by(cluster.url, rounds=2)
-    deadline = time.monotonic() + 10
-    while (seen := successes()) < start + sum(counts.values()):  # siblings' snapshots: up to 1 s old
-        assert time.monotonic() < deadline, (start, seen, counts)
-        time.sleep(0.3)
-    assert seen == start + sum(counts.values())  # nothing counted twice
+    seen = [start]
+    wait_until(lambda: seen.append(successes()) or seen[-1] >= start + sum(counts.values()),  # snapshots: <= 1 s old
+               timeout=10, interval=0.05, message=lambda: f"{(start, seen[-1], counts)}")
+    assert seen[-1] == start + sum(counts.values())  # nothing counted twice
 
 
 @pytest.mark.ray
@@ -264,10 +265,8 @@ def test_a_disconnect_on_an_api_process_frees_its_kv_blocks(cluster):
 
     names = asyncio.run(cut_streams(6))
     assert any("/api" in name for name in names), names
-    deadline = time.monotonic() + 20
-    while in_use() > 0:
-        assert time.monotonic() < deadline, f"KV blocks still in use after the disconnects ({names})"
-        time.sleep(0.3)
+    wait_until(lambda: in_use() == 0, timeout=20, interval=0.05,
+               message=f"KV blocks freed after the disconnects ({names})")
     assert all(r["num_running"] == 0 for r in cluster.command("integrity").values())
 
 
@@ -283,13 +282,22 @@ def test_close_serve_listener_stops_this_process_accepting_and_leaves_other_copi
     async def main():
         server = await asyncio.get_running_loop().create_server(asyncio.Protocol, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        copy = socket.socket(fileno=os.dup(listening_socket_fd(port)))  # the API process's
+        listener = listening_socket_fd(port)
+        inode = os.readlink(f"/proc/self/fd/{listener}")
+        copy = socket.socket(fileno=os.dup(listener))  # the API process's
         gc.freeze()
         try:
             assert await asyncio.to_thread(wiring.close_serve_listener, port)
         finally:
             gc.unfreeze()
-        await asyncio.sleep(0.05)
+
+        def listener_closed() -> bool:  # the close runs on this loop, soon after the call
+            try:
+                return os.readlink(f"/proc/self/fd/{listener}") != inode
+            except FileNotFoundError:
+                return True
+
+        await async_wait_until(listener_closed, timeout=5, message="this process's listening socket closed")
         with copy, socket.create_connection(("127.0.0.1", port), timeout=2):
             copy.settimeout(2)
             accepted, _ = copy.accept()  # the connection went to the copy: this process no longer accepts
@@ -330,17 +338,14 @@ def test_close_serve_listener_shuts_down_the_servers_idle_keep_alive_connections
         port = sock.getsockname()[1]
         server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: server.started, message="uvicorn started")
         opened = asyncio.get_running_loop().create_future()
         await asyncio.to_thread(keep_alive_client, port, opened, asyncio.get_running_loop())
         conn = await opened
         assert len(server.server_state.connections) == 1
         assert await asyncio.to_thread(wiring.close_serve_listener, port)
-        deadline = time.monotonic() + 5
-        while server.server_state.connections:
-            assert time.monotonic() < deadline, "the idle keep-alive connection is still open"
-            await asyncio.sleep(0.02)
+        await async_wait_until(lambda: not server.server_state.connections, timeout=5,
+                               message="the idle keep-alive connection closed")
         assert await asyncio.to_thread(lambda: conn.sock.recv(1)) == b""  # the client sees it closed
         conn.close()
         server.should_exit = True

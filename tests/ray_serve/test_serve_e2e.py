@@ -2,7 +2,7 @@
 app with two CPU engine replicas of random:tiny, traffic through HAProxy and the Router.
 
 The cluster is the session's (tests/conftest.py: ray_serve_cluster), shared with
-tests/test_hardening_ray.py and tests/test_locust.py; its replica list is read when this
+tests/ray_serve/test_hardening_ray.py and tests/bench/test_locust.py; its replica list is read when this
 module starts (a test before may have replaced a replica)."""
 
 import asyncio
@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from tests.conftest import RAY_STATS_PERIOD_S as STATS_PERIOD_S
+from tests.ray_serve.helpers import wait_for_routing
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -24,23 +26,6 @@ def cluster(ray_serve_cluster):
     return {"url": ray_serve_cluster.url, "engines": ray_serve_cluster.engines(),
             "stats_port": ray_serve_cluster.stats_port, "metrics_port": ray_serve_cluster.metrics_port,
             "fallback_port": ray_serve_cluster.fallback_port}
-
-
-def wait_for_routing(url: str, timeout_s: float = 60, headers: dict | None = None) -> None:
-    """HAProxy learns the Router and the replicas a little after serve.run returns; until
-    then it sends requests to replicas without a ticket (503) or fails them."""
-    deadline = time.monotonic() + timeout_s
-    successes, last = 0, None
-    while successes < 6:
-        try:
-            response = httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 1}, timeout=10,
-                                  headers=headers)
-            successes = successes + 1 if response.status_code == 200 else 0
-            last = (response.status_code, dict(response.headers), response.text[:2000])
-        except httpx.HTTPError as error:
-            successes, last = 0, repr(error)
-        assert time.monotonic() < deadline, f"HAProxy never routed requests through the Router; last: {last}"
-        time.sleep(0.25)
 
 
 def test_openai_client_chat_and_completion_through_the_router(cluster):
@@ -146,11 +131,14 @@ def test_nearly_full_kv_and_long_queue_steer_requests(cluster):
             streams.pop()[0].__exit__(None, None, None)  # disconnect mid-stream
 
     def wait_all_free(timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while not kv_blocks_all_free(metrics := engine_metrics(cluster)):
-            assert time.monotonic() < deadline, f"blocks not freed after disconnects: {metrics}"
-            time.sleep(0.05)
-        return metrics
+        seen = [None]
+
+        def all_free():
+            seen[0] = engine_metrics(cluster)
+            return seen[0] if kv_blocks_all_free(seen[0]) else None
+
+        return wait_until(all_free, timeout=timeout_s, interval=0.05,
+                          message=lambda: f"blocks freed after disconnects: {seen[0]}")
 
     try:
         # Every request takes another block every 16 tokens, at the machine's speed: X's request
@@ -172,20 +160,27 @@ def test_nearly_full_kv_and_long_queue_steer_requests(cluster):
                     smalls.add(replica)
                 else:
                     streams.pop()[0].__exit__(None, None, None)
+                    # the Router's next stats snapshot (not observable from here) shows the big request on X
                     time.sleep(STATS_PERIOD_S)
                 if len(streams) == 3:  # the big one and two small ones
                     break
             assert len(streams) == 3 and len(smalls) == 1, (big, smalls)
             small = next(iter(smalls))
-            time.sleep(3 * STATS_PERIOD_S)  # fresh snapshots of both replicas, taken after the picks reached them
+            # fresh snapshots of both replicas, taken after the picks reached them: the Router's snapshots are
+            # not observable from here, so time passes for three stats periods
+            time.sleep(3 * STATS_PERIOD_S)
             # free blocks only shrink while a replica's requests run, and the Router's snapshots are at most
             # a stats period older than a read: its snapshot of X shows at most the read plus the X margin,
             # its snapshot of Y at least the read less what Y takes before the pick (the Y margin)
-            deadline = time.monotonic() + 30
-            while (now := engine_metrics(cluster))[big]["roseray:num_kv_blocks_free"] > (
-                    STEER_NEED_BLOCKS - STEER_MARGIN_X_BLOCKS) and now[big]["roseray:num_requests_running"]:
-                assert time.monotonic() < deadline, f"X never filled: {now[big]}"
-                time.sleep(0.02)
+            views = [None]
+
+            def x_filled_or_done() -> bool:
+                views[0] = engine_metrics(cluster)
+                return (views[0][big]["roseray:num_kv_blocks_free"] <= STEER_NEED_BLOCKS - STEER_MARGIN_X_BLOCKS
+                        or not views[0][big]["roseray:num_requests_running"])
+
+            wait_until(x_filled_or_done, timeout=30, interval=0.02, message=lambda: f"X filled: {views[0][big]}")
+            now = views[0]
             if (now[big]["roseray:num_requests_running"] >= 1 and now[small]["roseray:num_requests_running"] >= 2
                     and now[small]["roseray:num_kv_blocks_free"] >= STEER_NEED_BLOCKS + STEER_MARGIN_Y_BLOCKS):
                 break

@@ -13,24 +13,10 @@ import uvicorn
 
 from roseray.ray_serve import app as serve_app
 from roseray.ray_serve import wiring
-from roseray.ray_serve.router_endpoint import RouterEndpoint
 from roseray.ray_serve.routing import HintConfig, RoutingHint, hint_from_body
 from roseray.ray_serve.ticket import TICKET_HEADER, TicketSigner
+from tests.ray_serve.helpers import PICK, SECRET, endpoint
 from tests.waiting import async_wait_until
-
-SECRET = "s" * 32
-PICK = wiring.ReplicaPick(host="10.0.0.7", port=30001, replica_id="roseray#Engine#abc")
-
-
-def endpoint(calls=None, error=None):
-    async def pick(body, session_id, truncated):
-        if calls is not None:
-            calls.append((body, session_id, truncated))
-        if error is not None:
-            raise error
-        return PICK
-
-    return RouterEndpoint(pick, TicketSigner(SECRET))
 
 
 def call(app, method, path, headers=(), chunks=(b"",)):

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 import pytest
@@ -35,7 +34,8 @@ from roseray.ray_serve.app import AppArgs, build_app, pick_with_reservation
 from roseray.ray_serve.haproxy_env import haproxy_env
 from roseray.ray_serve.routing import KVQueueRequestRouter
 from tests.conftest import RAY_ENGINE, RAY_STATS_PERIOD_S, free_port
-from tests.ray_serve.test_serve_e2e import wait_for_routing
+from tests.ray_serve.helpers import wait_for_routing
+from tests.waiting import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -128,16 +128,15 @@ def power_of_two_app():
 
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240  # a second local Ray on a loaded 2-core CI box: >120 s seen
-        while True:  # HAProxy is up
+        def ready() -> bool:  # HAProxy is up
             assert proc.poll() is None, f"serve run exited:\n{log_tail()}"
-            assert time.monotonic() < deadline, f"the app did not start:\n{log_tail()}"
             try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
+                return httpx.get(url + "/ready", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+                return False
+
+        # a second local Ray on a loaded 2-core CI box: >120 s seen
+        wait_until(ready, timeout=240, interval=0.1, message=lambda: f"the app started:\n{log_tail()}")
         wait_for_routing(url)
         yield url
     finally:
@@ -176,8 +175,6 @@ def test_power_of_two_routes_requests_to_both_replicas(power_of_two_app):
     # Ray's router picks at random between equal queues, and it routes only to replicas that run: on a
     # loaded CI box the second replica may still be loading when the first already answers (a whole
     # 2-core suite once saw 32 requests in ~10 s all go to the first), so more bursts, for up to 90 s
-    deadline = time.monotonic() + 90
-    while len(counts) < 2 and time.monotonic() < deadline:
-        counts.update(asyncio.run(burst(4)))
-        time.sleep(0.5)
+    wait_until(lambda: len(counts) == 2 or counts.update(asyncio.run(burst(4))) or len(counts) == 2,
+               timeout=90, interval=0.05, message=lambda: f"both replicas answered: {counts}")
     assert len(counts) == 2 and sum(counts.values()) >= 12, counts

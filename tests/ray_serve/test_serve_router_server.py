@@ -12,7 +12,7 @@ import pytest
 
 from roseray.ray_serve import router_server, wiring
 from roseray.ray_serve.ticket import TICKET_HEADER, TicketSigner
-from tests.ray_serve.test_serve_router_endpoint import PICK, SECRET, endpoint
+from tests.ray_serve.helpers import PICK, SECRET, endpoint
 from tests.waiting import async_wait_until, wait_until
 
 

@@ -13,6 +13,7 @@ from roseray.engine.engine import LLMEngine
 from roseray.runtime.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState, QueueFullError
 from roseray.runtime.in_process_client import InProcessEngineClient
 from roseray.sampling_params import SamplingParams
+from tests.waiting import async_wait_until
 
 MAX_NUM_SEQS = 4
 
@@ -94,13 +95,13 @@ def test_closing_a_stream_aborts_and_frees_its_blocks_within_one_step(llm):
         assert engine.stats.num_free_blocks < total_blocks
         steps_at_close = engine.stats.num_steps_total
         stream.close()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
+
+        def freed():
             s = engine.stats
-            if s.num_running == 0 and s.num_free_blocks == total_blocks:
-                return s.num_steps_total - steps_at_close
-            await asyncio.sleep(0.002)
-        pytest.fail(f"blocks not freed after close: {engine.stats}")
+            return s if s.num_running == 0 and s.num_free_blocks == total_blocks else None
+
+        s = await async_wait_until(freed, timeout=5, interval=0.002, message="blocks freed after close")
+        return s.num_steps_total - steps_at_close
 
     # the step running at close() may finish; the next iteration applies the abort
     assert run(llm, body) <= 2
@@ -113,10 +114,7 @@ def test_full_queue_refuses_with_retry_after(llm):
         # the adds the engine has not shown in its stats yet count against the queue at once
         with pytest.raises(QueueFullError) as refused:
             await engine.add_request("refused", [1, 2, 3], params(4))
-        deadline = time.monotonic() + 10
-        while engine.stats.num_waiting != 1:
-            assert time.monotonic() < deadline, engine.stats
-            await asyncio.sleep(0.005)
+        await async_wait_until(lambda: engine.stats.num_waiting == 1, message="one request waiting")
         with pytest.raises(QueueFullError):  # and once they are there
             await engine.add_request("refused-again", [1, 2, 3], params(4))
         for stream in streams:
@@ -141,9 +139,10 @@ def test_invalid_request_is_rejected_and_the_engine_keeps_serving(llm):
 def test_idle_loop_sleeps_and_keeps_its_heartbeat(llm):
     async def body(engine):
         await collect(await engine.add_request("one", [1, 2, 3], params(2)))
-        await asyncio.sleep(0.1)
+        await async_wait_until(lambda: engine.stats.num_running == 0 and engine.stats.num_waiting == 0,
+                               message="the engine idle")
         steps, cpu = engine.stats.num_steps_total, time.process_time()
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(0.6)  # time passes on an idle engine: no steps, no CPU, the heartbeat goes on
         return engine.stats.num_steps_total - steps, time.process_time() - cpu, engine.stats.last_heartbeat
 
     new_steps, cpu_seconds, last_heartbeat = run(llm, body, heartbeat_s=0.1)
@@ -167,7 +166,15 @@ def test_check_health_fails_while_a_step_is_stuck(llm, monkeypatch):
         stream = await engine.add_request("stuck", [1, 2, 3], params(20))
         hang.set()
         engine.check_health()
-        await asyncio.sleep(0.5)
+
+        def reported_stuck():
+            try:
+                engine.check_health()
+            except RuntimeError as error:
+                return "stuck" in str(error)
+            return False
+
+        await async_wait_until(reported_stuck, timeout=5, message="check_health reports the stuck step")
         with pytest.raises(RuntimeError, match="stuck"):
             engine.check_health()
         assert not engine.is_ready
@@ -207,8 +214,8 @@ def test_drain_refuses_new_requests_and_lets_running_ones_finish(llm):
     async def body(engine):
         stream = await engine.add_request("running", [1, 2, 3], params(20))
         drained = asyncio.ensure_future(engine.drain(timeout_s=10))
-        await asyncio.sleep(0)
-        assert engine.state is LoopState.DRAINING and not engine.is_ready
+        await async_wait_until(lambda: engine.state is LoopState.DRAINING, timeout=5, message="draining")
+        assert not engine.is_ready
         with pytest.raises(EngineUnavailableError, match="draining"):
             await engine.add_request("late", [1, 2, 3], params(2))
         deltas = await collect(stream)

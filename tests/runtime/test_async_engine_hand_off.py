@@ -13,6 +13,7 @@ from roseray.engine.outputs import EngineStats, RequestDelta, RequestSummary
 from roseray.runtime.async_engine import AsyncLLMEngine
 from roseray.runtime.in_process_client import InProcessEngineClient
 from roseray.sampling_params import SamplingParams
+from tests.waiting import async_wait_until
 
 STEP_S = 0.002
 
@@ -43,7 +44,7 @@ class OneTokenPerStep:
         return EngineStats(num_running=len(self.requests), num_free_blocks=100, num_total_blocks=100)
 
     def step(self):
-        time.sleep(STEP_S)
+        time.sleep(STEP_S)  # a step takes time: the behaviour this fake engine stands for
         self.num_steps += 1
         deltas = []
         for request_id, r in list(self.requests.items()):
@@ -79,10 +80,12 @@ def test_hand_offs_queued_while_the_loop_is_busy_are_taken_together_and_flushed_
                 log = events[stream.request_id]
                 stream.attach(lambda d, log=log: log.append(d.num_output_tokens),
                               lambda error, log=log: log.append(error), lambda log=log: log.append("flush"))
-            await asyncio.sleep(0)  # this loop iteration ends: its adds go to the engine
-            time.sleep(num_tokens * STEP_S / 2)  # the event loop is busy while the engine steps on
-            while not all(s.finished for s in streams):
-                await asyncio.sleep(STEP_S)
+            # this loop iteration ends: its adds go to the engine
+            await async_wait_until(lambda: len(fake.requests) == 2, timeout=5, interval=0.001,
+                                   message="both requests in the engine")
+            time.sleep(num_tokens * STEP_S / 2)  # the event loop is busy while the engine steps on: under test
+            await async_wait_until(lambda: all(s.finished for s in streams), interval=STEP_S,
+                                   message="both streams finished")
             return events
         finally:
             await engine.shutdown()
