@@ -13,6 +13,7 @@ an integrity check sends the held adds first, so it never overtakes one.
 from __future__ import annotations
 
 import abc
+import itertools
 from collections.abc import Callable
 
 from roseray.config import EngineConfig
@@ -52,6 +53,9 @@ class EngineClient(abc.ABC):
         self.num_adds_sent = 0  # adds sent to the engine (flush_commands, or before an abort or a check)
         self.num_adds_applied = 0  # of those, the ones the engine had taken as of get_stats()
         self._replies: dict[int, str | None] = {}  # integrity check call id -> what it found wrong, or None
+        self._call_ids = itertools.count()  # integrity checks' call ids
+        # as of the last outputs read; before any, an empty engine of this size
+        self._stats = EngineStats(num_free_blocks=limits.num_blocks, num_total_blocks=limits.num_blocks)
 
     def prepare(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[int]:
         """The prompt's token ids, checked against the engine's limits (ValueError if it can never run)."""
@@ -86,9 +90,9 @@ class EngineClient(abc.ABC):
     def has_unfinished_requests(self) -> bool:
         """Requests added and not yet finished, as far as this side has read."""
 
-    @abc.abstractmethod
     def get_stats(self) -> EngineStats:
         """The engine's stats as of the last outputs read."""
+        return self._stats
 
     @abc.abstractmethod
     def send_integrity_check(self) -> int:

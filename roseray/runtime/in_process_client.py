@@ -64,7 +64,6 @@ class InProcessEngineClient(EngineClient):
         os.set_blocking(self._ready_w, False)
         self._told = False  # a byte is on the pipe for what is in the outbox
         self._stats = engine.get_stats()
-        self._next_call = 0
         self._applied = 0  # adds the engine thread has taken
         self._busy = False  # the engine has requests: the heartbeat is the thread's last iteration
         self._beat = time.monotonic()
@@ -131,12 +130,8 @@ class InProcessEngineClient(EngineClient):
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    def get_stats(self) -> EngineStats:
-        return self._stats
-
     def send_integrity_check(self) -> int:
-        call_id = self._next_call
-        self._next_call += 1
+        call_id = next(self._call_ids)
         self._command(("check_integrity", call_id))
         if self._closed:  # the thread has ended: the check runs here, its reply waits in the outbox
             self._apply_commands()

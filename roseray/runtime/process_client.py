@@ -17,7 +17,7 @@ import time
 from multiprocessing.connection import Connection
 
 from roseray.config import EngineConfig
-from roseray.engine.outputs import EngineStats, RequestDelta, RequestSummary
+from roseray.engine.outputs import RequestDelta, RequestSummary
 from roseray.models.loader import load_model_config
 from roseray.runtime.engine_client import EngineClient, EngineError
 from roseray.runtime.engine_process import spawn_engine_process
@@ -66,9 +66,7 @@ class EngineProcessClient(EngineClient):
         self._requests: dict[str, tuple[str, int, float]] = {}
         self._next_handle = 0
         self._adds = AddRequests([], [], [], [])  # held until flush_commands
-        self._stats = EngineStats(num_free_blocks=self.limits.num_blocks, num_total_blocks=self.limits.num_blocks)
         self._last_message = time.monotonic()
-        self._next_call = 0
 
     @staticmethod
     def _spawn(config: EngineConfig) -> tuple[subprocess.Popen, tuple[int, int]]:
@@ -137,12 +135,8 @@ class EngineProcessClient(EngineClient):
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    def get_stats(self) -> EngineStats:
-        return self._stats
-
     def send_integrity_check(self) -> int:
-        call_id = self._next_call
-        self._next_call += 1
+        call_id = next(self._call_ids)
         self._send(CheckIntegrity(call_id).encode())
         return call_id
 

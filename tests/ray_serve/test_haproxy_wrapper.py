@@ -4,6 +4,7 @@ the OpenAI error shape (on configs that Ray renders)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -53,6 +54,21 @@ asyncio.run(main())
 
 def _wait_listening(port: int, timeout_s: float = 20) -> None:
     wait_until(lambda: not port_is_free(port), timeout=timeout_s, interval=0.05, message=f"something listens on {port}")
+
+
+@contextlib.contextmanager
+def _real_haproxy(config: Path, port: int):
+    """The real HAProxy on `config` (checked valid first), listening on `port`, killed on exit."""
+    real = haproxy_env.find_haproxy()
+    check = subprocess.run([real, "-c", "-f", str(config)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+    server = subprocess.Popen([real, "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_listening(port)
+        yield
+    finally:
+        server.kill()
+        server.wait(10)
 
 
 def test_haproxy_dies_with_the_process_that_started_it(tmp_path):
@@ -149,21 +165,13 @@ def test_the_rewritten_answers_are_valid_haproxy_and_answer_as_promised(tmp_path
         " if { var(txn.ingress_request_router_failed) -m found }"])
     config = tmp_path / "haproxy.cfg"
     config.write_text(MINIMAL.format(port=port, rules=rules, default=haproxy_env.NOT_DEPLOYED))
-    real = haproxy_env.find_haproxy()
-    check = subprocess.run([real, "-c", "-f", str(config)], capture_output=True, text=True, timeout=30)
-    assert check.returncode == 0, check.stdout + check.stderr
-    server = subprocess.Popen([real, "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_listening(port)
+    with _real_haproxy(config, port):
         for path, code in (("/routed", "not_routed"), ("/v1/models", "not_ready")):
             reply = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=10)
             assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
             assert reply.headers["content-type"] == "application/json"
             assert reply.json()["error"]["code"] == code and reply.json()["error"]["type"] == "service_unavailable"
         assert httpx.get(f"http://127.0.0.1:{port}/routed").headers["x-serve-reason"] == "router_non_200"
-    finally:
-        server.kill()
-        server.wait(10)
 
 
 @pytest.mark.parametrize("argv, expected", [([], "0"), (["--min-draining-period-s", "30"], "30")])
@@ -180,17 +188,9 @@ def test_haproxys_own_503_is_in_the_openai_shape_with_retry_after(tmp_path):
     assert rewritten.count(haproxy_env.NO_SERVER) == 1
     assert _rewrite(tmp_path, rewritten) == rewritten  # a reload's second pass adds nothing
     config = tmp_path / "haproxy.cfg"
-    real = haproxy_env.find_haproxy()
-    check = subprocess.run([real, "-c", "-f", str(config)], capture_output=True, text=True, timeout=30)
-    assert check.returncode == 0, check.stdout + check.stderr
-    server = subprocess.Popen([real, "-db", "-f", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_listening(port)
+    with _real_haproxy(config, port):
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, timeout=10)
         assert reply.status_code == 503 and reply.headers["retry-after"] == "1", reply.text
         assert reply.headers["content-type"] == "application/json"
         assert reply.json()["error"] == {"message": "no engine replica is up to take the request",
                                          "type": "service_unavailable", "param": None, "code": "no_replica"}
-    finally:
-        server.kill()
-        server.wait(10)
