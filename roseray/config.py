@@ -34,6 +34,11 @@ REMOVED_ENGINE_ARGS = {
 }
 
 
+# the <think>...</think> reasoning of Qwen3 (tags in the output) and DeepSeek-R1 (the template opens it)
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
+
 @dataclass
 class EngineConfig:
     """Engine arguments. Field names follow vLLM's so that users feel at home."""
@@ -60,8 +65,14 @@ class EngineConfig:
     async_scheduling: bool | None = None  # overlap host work with the GPU (default: on for CUDA)
     engine_process: bool | None = None  # serving: the engine loop in its own process (default: on for CUDA)
     revision: str | None = None
+    # how the model marks its reasoning (REASONING_PARSERS): the server splits it out, and a
+    # request's structured output applies from where the reasoning ends
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
+                             f"got {self.reasoning_parser!r}")
         if self.tokenizer is None:
             self.tokenizer = self.model
         if self.dtype not in ("auto", *_DTYPES):
@@ -146,8 +157,13 @@ class ServerConfig:
     stuck_after_s: float = 60.0  # health checks fail when the engine loop makes no progress this long
     log_level: str = "info"  # uvicorn's log level
     enable_docs: bool = True  # the OpenAPI schema at /openapi.json and Swagger UI at /docs
+    # how `tool_choice: auto` finds tool calls in the model's text (TOOL_CALL_PARSERS); None: it is refused
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
+                             f"got {self.tool_call_parser!r}")
         if isinstance(self.cors_origins, str):
             raise ValueError(f"cors_origins must be a list of origins, not one string; got {self.cors_origins!r}")
         self.cors_origins = tuple(self.cors_origins)  # a list from JSON or YAML

@@ -1,13 +1,51 @@
-"""SamplingParams: how to sample one request (vLLM's field names), validated on creation."""
+"""SamplingParams: how to sample one request (vLLM's field names), validated on creation;
+StructuredOutputs: the grammar a request's output must follow."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # most top logprobs a request may ask for per token
 MAX_STOP_STRINGS = 16
 MAX_PENALTY = 2.0  # presence/frequency in [-MAX_PENALTY, MAX_PENALTY], repetition in (0, MAX_PENALTY]
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """A constraint on the output, as text (so it hashes, caches and travels as JSON):
+
+    - `json`: `spec` is a JSON schema, as JSON text; `json_object`: any JSON object (`spec` "")
+    - `regex`: a regular expression the whole output matches
+    - `choice`: a JSON list of strings, the output is exactly one of them
+    - `grammar`: an EBNF grammar (GBNF, as vLLM's xgrammar backend takes it), `root` first
+    - `structural_tag`: a structural tag, as JSON text (xgrammar's format)
+
+    Whether the spec compiles is checked by roseray.engine.structured_output, not here.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured output spec must be a string, got {type(self.spec).__name__}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"structured output of kind {self.kind!r} needs a spec")
+
+    @classmethod
+    def choice(cls, options: list[str]) -> StructuredOutputs:
+        return cls("choice", json.dumps(list(options)))
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> StructuredOutputs:
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
 
 
 @dataclass
@@ -29,8 +67,17 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # a grammar the output follows (a dict of its fields is taken too: the engine process's messages)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs, got {self.structured_outputs!r}")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured outputs: the grammar decides where "
+                             "the output ends")
         self._validate_numbers()
         self._validate_lengths()
         self.stop = _normalise_stop(self.stop)
@@ -89,7 +136,8 @@ class SamplingParams:
     @property
     def is_plain_greedy(self) -> bool:
         """An argmax of the raw logits is the whole of this request's sampling, at every step."""
-        return self.is_greedy and not self.needs_penalties and self.logprobs is None and self.min_tokens == 0
+        return (self.is_greedy and not self.needs_penalties and self.logprobs is None and self.min_tokens == 0
+                and self.structured_outputs is None)
 
     @property
     def needs_penalties(self) -> bool:

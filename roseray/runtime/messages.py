@@ -44,8 +44,11 @@ def _dumps(message: list) -> bytes:
 
 
 def sampling_overrides(params: SamplingParams) -> dict:
-    """The fields of `params` that differ from SamplingParams' defaults."""
-    return {name: value for name, default in _SAMPLING_DEFAULTS if (value := getattr(params, name)) != default}
+    """The fields of `params` that differ from SamplingParams' defaults (a constraint as a dict of its fields)."""
+    overrides = {name: value for name, default in _SAMPLING_DEFAULTS if (value := getattr(params, name)) != default}
+    if params.structured_outputs is not None:
+        overrides["structured_outputs"] = dataclasses.asdict(params.structured_outputs)
+    return overrides
 
 
 # ---- client -> engine ------------------------------------------------------------------------
