@@ -202,7 +202,7 @@ class OpenAIServer:
                                                            and not prepared.plan.parses):
             return None
         return ChatOutput(prepared.plan, self.tool_call_parser, self.reasoning_parser,
-                          include_reasoning=body.include_reasoning is not False)
+                          include_reasoning=body.include_reasoning is not False, tools=body.template_tools())
 
     def _check_length(self, body, prompt_ids: list[int]) -> None:
         """A prompt that fills max_model_len leaves no room for a token. The engine's own check

@@ -10,26 +10,16 @@ parsed) never reaches this module, so its per-token path stays that of responses
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 from roseray.openai_api.reasoning_parsers import make_reasoning_parser
 from roseray.openai_api.tool_parsers import (
     NamedToolCallStream,
     RequiredToolCallsStream,
+    ToolCallStream,
     make_tool_parser,
-    parse_required_tool_calls,
 )
 from roseray.openai_api.tools import ToolPlan
-
-
-def tool_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
-
-
-def _call_body(call) -> dict[str, Any]:
-    return {"id": call.id or tool_call_id(), "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _finish_reason(plan: ToolPlan, called: bool, finish_reason: str | None) -> str | None:
@@ -43,58 +33,60 @@ def _finish_reason(plan: ToolPlan, called: bool, finish_reason: str | None) -> s
     return finish_reason
 
 
-def merge_delta(into: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
-    """`into` with `more` after it: text fields concatenated, tool-call deltas appended."""
+def merge_delta(into: dict[str, Any], more: dict[str, str]) -> dict[str, Any]:
+    """`into` with the text fields of `more` after its own."""
     for key, value in more.items():
         into[key] = into[key] + value if key in into else value
     return into
 
 
 class ChatOutput:
-    """One chat request's output shaping (see the module doc)."""
+    """One chat request's output shaping (see the module doc); `tools` in OpenAI's shape."""
 
     def __init__(self, plan: ToolPlan, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 include_reasoning: bool = True) -> None:
+                 include_reasoning: bool = True, tools: list[dict[str, Any]] | None = None) -> None:
         self.plan = plan
-        self.tool_call_parser = tool_call_parser if plan.mode == "auto" else None
+        self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.include_reasoning = include_reasoning
+        self.tools = tools
+        if plan.mode == "auto" and tool_call_parser is None:
+            raise ValueError("tool_choice 'auto' needs a tool_call_parser")
+
+    def tool_stream(self) -> ToolCallStream | None:
+        """A new tool-call stream for one output, or None when its tools are not parsed."""
+        mode = self.plan.mode
+        if mode == "auto":
+            return make_tool_parser(self.tool_call_parser, self.tools).stream()
+        if mode == "required":
+            return RequiredToolCallsStream()
+        if mode == "named":
+            return NamedToolCallStream(self.plan.name)
+        return None
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """The whole response's message and its finish_reason."""
+        """The whole response's message and its finish_reason: the text parsed as one piece,
+        as the stream parses it in pieces."""
         reasoning, content = None, text
         if self.reasoning_parser is not None:
             reasoning, content = make_reasoning_parser(self.reasoning_parser).split(text)
         calls = []
-        mode = self.plan.mode
-        if mode == "auto" and content:
-            extracted = make_tool_parser(self.tool_call_parser).extract(content)
-            content, calls = extracted.content, list(extracted.tool_calls)
-        elif mode == "required" and content:
-            try:
-                calls = list(parse_required_tool_calls(content))
-            except ValueError:  # cut short by max_tokens: not a whole list; the text stays content
-                calls = []
-            content = None if calls else content
-        elif mode == "named":
-            calls = [_NamedCall(self.plan.name, content or "")]
-            content = None
-        message: dict[str, Any] = {"role": "assistant", "content": content or None if calls else content}
+        tools = self.tool_stream()
+        if tools is not None:
+            rest = tools.feed(content or "").content + tools.finish().content
+            calls = tools.tool_calls
+            content = rest if rest.strip() else None
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
-            message["tool_calls"] = [_call_body(call) for call in calls]
+            message["tool_calls"] = [{"id": call.id, "type": "function",
+                                      "function": {"name": call.name, "arguments": call.arguments}}
+                                     for call in calls]
         if self.reasoning_parser is not None and self.include_reasoning:
             message["reasoning_content"] = message["reasoning"] = reasoning
         return message, _finish_reason(self.plan, bool(calls), finish_reason)
 
     def stream(self) -> ChatOutputStream:
         return ChatOutputStream(self)
-
-
-class _NamedCall:
-    __slots__ = ("name", "arguments", "id")
-
-    def __init__(self, name: str, arguments: str) -> None:
-        self.name, self.arguments, self.id = name, arguments, None
 
 
 class ChatOutputStream:
@@ -104,17 +96,8 @@ class ChatOutputStream:
         self.output = output
         self.reasoning = (make_reasoning_parser(output.reasoning_parser).stream()
                           if output.reasoning_parser is not None else None)
-        mode = output.plan.mode
-        if mode == "auto":
-            self.tools = make_tool_parser(output.tool_call_parser).stream()
-        elif mode == "required":
-            self.tools = RequiredToolCallsStream()
-        elif mode == "named":
-            self.tools = NamedToolCallStream(output.plan.name)
-        else:
-            self.tools = None
-        self.called = False
-        self._ids: dict[int, str] = {}
+        self.tools = output.tool_stream()
+        self._started: set[int] = set()  # calls whose first delta was sent
 
     def feed(self, text: str) -> dict[str, Any]:
         """The delta of one new piece of text (empty while a parser holds text back)."""
@@ -123,15 +106,15 @@ class ChatOutputStream:
         reasoning, content = self.reasoning.feed(text)
         return self._content(content, self._reasoning(reasoning, {}))
 
-    def finish(self, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        """The last delta (what the parsers still held) and the stream's finish_reason."""
-        delta: dict[str, Any] = {}
+    def finish(self, finish_reason: str | None, delta: dict[str, Any]) -> str | None:
+        """Adds to `delta` (the last one) what the parsers still held; the stream's finish_reason."""
         if self.reasoning is not None:
             reasoning, content = self.reasoning.finish()
             self._content(content, self._reasoning(reasoning, delta))
         if self.tools is not None:
             self._tool_delta(self.tools.finish(), delta)
-        return delta, _finish_reason(self.output.plan, self.called, finish_reason)
+        called = self.tools is not None and bool(self.tools.tool_calls)  # complete calls, not failed starts
+        return _finish_reason(self.output.plan, called, finish_reason)
 
     def _reasoning(self, piece: str | None, delta: dict[str, Any]) -> dict[str, Any]:
         if piece and self.output.include_reasoning:
@@ -150,20 +133,17 @@ class ChatOutputStream:
             return delta
         if stream_delta.content:
             merge_delta(delta, {"content": stream_delta.content})
-        calls = []
+        entries = {entry["index"]: entry for entry in delta.get("tool_calls", ())}  # one entry per call a chunk
         for call in stream_delta.tool_calls or ():
-            self.called = True
-            entry: dict[str, Any] = {"index": call.index}
-            function: dict[str, Any] = {}
-            if call.index not in self._ids:  # a call's first delta: its id, type and name
-                self._ids[call.index] = entry["id"] = call.id or tool_call_id()
-                entry["type"] = "function"
-                function["name"] = call.name
-                function["arguments"] = call.arguments or ""
-            elif call.arguments:
-                function["arguments"] = call.arguments
-            entry["function"] = function
-            calls.append(entry)
-        if calls:
-            merge_delta(delta, {"tool_calls": calls})
+            entry = entries.get(call.index)
+            if entry is None:
+                entry = entries[call.index] = {"index": call.index, "function": {}}
+                delta.setdefault("tool_calls", []).append(entry)
+            function = entry["function"]
+            if call.index not in self._started:  # a call's first delta: its id, type and name
+                self._started.add(call.index)
+                entry["id"], entry["type"] = call.id, "function"
+                entry["function"] = function = {"name": call.name, "arguments": function.get("arguments", "")}
+            if call.arguments:
+                function["arguments"] = function.get("arguments", "") + call.arguments
         return delta

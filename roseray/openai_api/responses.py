@@ -14,7 +14,7 @@ from functools import lru_cache
 from json.encoder import encode_basestring  # the C string encoder json.dumps uses (ensure_ascii=False)
 
 from roseray.engine.outputs import RequestDelta
-from roseray.openai_api.chat_output import ChatOutput, merge_delta
+from roseray.openai_api.chat_output import ChatOutput
 
 SSE_DONE = b"data: [DONE]\n\n"
 # json.dumps with any option builds a new JSONEncoder per call; every request's first and last events pay that
@@ -160,8 +160,7 @@ class ResponseBuilder:
             body = parsed.feed(delta.new_text) if delta.new_text else {}
             finish = None
             if delta.finished:
-                tail, finish = parsed.finish(delta.finish_reason)
-                merge_delta(body, tail)
+                finish = parsed.finish(delta.finish_reason, body)
             logprobs = self.logprobs(delta.new_token_ids, delta.new_logprobs)
             if not body and not delta.finished and logprobs is None:
                 continue  # a parser holds the text back (a tag may be starting)
