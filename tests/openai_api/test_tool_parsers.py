@@ -256,6 +256,19 @@ def test_required_calls():
     assert [c.name for c in cut] == ["a"]  # cut off by max_tokens: the complete calls stand
 
 
+@pytest.mark.parametrize("text, content, names", [
+    ('[{"name": "a", "parameters": {}},]', ",]", ["a"]),
+    ('[{"name": "a", "parameters": {}}] after', " after", ["a"]),
+    ("no array", "no array", []),
+    ('[{"name": "a", "parameters": []}]', '[{"name": "a", "parameters": []}]', []),
+])
+def test_required_stream_text_that_is_not_the_array_is_content(text, content, names):
+    for chunks in every_split(text):
+        stream = RequiredToolCallsStream()
+        assert collect(stream, chunks)[0] == content
+        assert [call.name for call in stream.tool_calls] == names
+
+
 def test_required_stream_every_split():
     expected = [(c.name, c.arguments) for c in parse_required_tool_calls(REQUIRED)]
     for chunks in every_split(REQUIRED):
