@@ -33,13 +33,11 @@ class RequiredToolCallsStream(CallArrayStream):
     def _step(self, char: str) -> None:
         if self._in_content:
             self._write_content(char)
-        elif not self._array_char(char) or not self._array:
+        elif not self._array_char(char):  # the array failed on this character
             self._in_content = True
-            if self._array:  # the array failed on this character
-                self._array = ""
-                self._write_content(char)
-            elif char != "]":
-                self._write_content(char)
+            self._write_content(char)
+        elif not self._array:  # the array closed
+            self._in_content = True
 
     def _end(self) -> None:
         if self._array:
