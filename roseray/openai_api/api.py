@@ -105,6 +105,7 @@ class Prepared(NamedTuple):
     params: SamplingParams
     plan: ToolPlan  # what becomes of a chat request's tools
     constraint: Constraint | None  # the output's constraint and the field that asked for it
+    prompt_text: str | None  # a chat request's rendered prompt
 
 
 class OpenAIServer:
@@ -183,10 +184,11 @@ class OpenAIServer:
                                                           **(body.chat_template_kwargs or {}))
                 prompt_ids = self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
             else:
+                text = None
                 prompt = body.single_prompt()
                 prompt_ids = (self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
                               if isinstance(prompt, str) else list(prompt))
-            return Prepared(prompt_ids, params, plan, constraint)
+            return Prepared(prompt_ids, params, plan, constraint, text)
         except UnsupportedFieldError as error:
             raise APIError(400, str(error), param=error.param) from None
         except UnicodeError:  # a lone surrogate ("\ud800") parses as JSON but is no text
@@ -202,7 +204,8 @@ class OpenAIServer:
                                                            and not prepared.plan.parses):
             return None
         return ChatOutput(prepared.plan, self.tool_call_parser, self.reasoning_parser,
-                          include_reasoning=body.include_reasoning is not False, tools=body.template_tools())
+                          include_reasoning=body.include_reasoning is not False, tools=body.template_tools(),
+                          prompt=prepared.prompt_text)
 
     def _check_length(self, body, prompt_ids: list[int]) -> None:
         """A prompt that fills max_model_len leaves no room for a token. The engine's own check

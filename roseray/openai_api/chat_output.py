@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from roseray.openai_api.reasoning_parsers import make_reasoning_parser
+from roseray.openai_api.reasoning_parsers import ReasoningParser, make_reasoning_parser
 from roseray.openai_api.tool_parsers import (
     NamedToolCallStream,
     RequiredToolCallsStream,
@@ -20,6 +20,19 @@ from roseray.openai_api.tool_parsers import (
     make_tool_parser,
 )
 from roseray.openai_api.tools import ToolPlan
+
+
+def starts_in_reasoning(parser: ReasoningParser, prompt: str) -> bool | None:
+    """True when the prompt ends inside a think block the template opened; False when it ends
+    right after one the template closed (thinking turned off, as Qwen3's enable_thinking=false
+    does); else None (the parser's default for its model family)."""
+    if parser.prompt_opens_reasoning(prompt):
+        return True
+    start = prompt.rfind(parser.start_tag)
+    end = prompt.find(parser.end_tag, start) if start >= 0 else -1
+    if end >= 0 and not prompt[end + len(parser.end_tag):].strip():
+        return False
+    return None
 
 
 def _finish_reason(plan: ToolPlan, called: bool, finish_reason: str | None) -> str | None:
@@ -44,10 +57,14 @@ class ChatOutput:
     """One chat request's output shaping (see the module doc); `tools` in OpenAI's shape."""
 
     def __init__(self, plan: ToolPlan, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 include_reasoning: bool = True, tools: list[dict[str, Any]] | None = None) -> None:
+                 include_reasoning: bool = True, tools: list[dict[str, Any]] | None = None,
+                 prompt: str | None = None) -> None:
         self.plan = plan
         self.tool_call_parser = tool_call_parser
-        self.reasoning_parser = reasoning_parser
+        self.reasoning_parser = make_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None
+        # where the output starts, from how the rendered `prompt` ends (None: the parser's default)
+        self.starts_in_reasoning = (starts_in_reasoning(self.reasoning_parser, prompt)
+                                    if self.reasoning_parser is not None and prompt is not None else None)
         self.include_reasoning = include_reasoning
         self.tools = tools
         if plan.mode == "auto" and tool_call_parser is None:
@@ -69,7 +86,7 @@ class ChatOutput:
         as the stream parses it in pieces."""
         reasoning, content = None, text
         if self.reasoning_parser is not None:
-            reasoning, content = make_reasoning_parser(self.reasoning_parser).split(text)
+            reasoning, content = self.reasoning_parser.split(text, self.starts_in_reasoning)
         calls = []
         tools = self.tool_stream()
         if tools is not None:
@@ -94,7 +111,7 @@ class ChatOutputStream:
 
     def __init__(self, output: ChatOutput) -> None:
         self.output = output
-        self.reasoning = (make_reasoning_parser(output.reasoning_parser).stream()
+        self.reasoning = (output.reasoning_parser.stream(output.starts_in_reasoning)
                           if output.reasoning_parser is not None else None)
         self.tools = output.tool_stream()
         self._started: set[int] = set()  # calls whose first delta was sent

@@ -173,3 +173,14 @@ def test_tool_calls_are_parsed_after_the_reasoning():
 def test_a_plain_chat_request_keeps_the_template_fast_path():
     assert builder(None)._text_event is not None and builder(None)._parsed is None
     assert builder(ChatOutput(ToolPlan(), reasoning_parser="qwen3"))._text_event is None
+
+
+@pytest.mark.parametrize("prompt,first", [
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", {"content": "It"}),  # thinking off: content at once
+    ("<|im_start|>assistant\n<think>\n", {"reasoning_content": "It", "reasoning": "It"}),  # the template opened it
+])
+def test_the_prompt_says_where_the_output_starts(prompt, first):
+    output = ChatOutput(ToolPlan(), reasoning_parser="qwen3", prompt=prompt)
+    stream = output.stream()
+    assert stream.feed("It") == first
+    assert whole(output, "It rains.")["message"][next(iter(first))] == "It rains."
