@@ -16,6 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from roseray.config import EngineConfig
+from roseray.openai_api.protocol import ChatCompletionRequest
 from tests.openai_api.helpers import assert_openai_error, serving, sse_events
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -308,3 +309,18 @@ def test_the_engines_reasoning_parser_splits_the_response(http, reasoning_server
         assert not "".join(d.get("content") or "" for d in deltas)
         hidden = other.post(CHAT, json={**body, "include_reasoning": False}).json()["choices"][0]["message"]
         assert "reasoning_content" not in hidden and "reasoning" not in hidden and hidden["content"] is None
+
+
+def test_the_history_reaches_the_template_in_the_shape_hf_templates_take():
+    body = ChatCompletionRequest.model_validate({"messages": [
+        *HISTORY, {"role": "assistant", "content": "x", "tool_calls": [
+            {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "not json"}}],
+         "reasoning_content": "thought", "refusal": None}], "tools": TOOLS, "tool_choice": "none"})
+    messages = body.template_messages()
+    assert messages[2] == {"role": "assistant", "content": "", "tool_calls": [  # arguments as an object
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": {"city": "Paris", "days": 1}}}]}
+    assert messages[3] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    assert messages[4]["tool_calls"][0]["function"]["arguments"] == "not json"  # kept as sent
+    assert messages[4]["reasoning_content"] == "thought" and "refusal" not in messages[4]
+    assert body.template_tools() == TOOLS
