@@ -25,17 +25,22 @@ class StructuredOutputs:
     - `grammar`: an EBNF grammar (GBNF, as vLLM's xgrammar backend takes it), `root` first
     - `structural_tag`: a structural tag, as JSON text (xgrammar's format)
 
-    Whether the spec compiles is checked by roseray.engine.structured_output, not here.
+    `any_whitespace` (json, json_object): JSON may put any whitespace between tokens (up to a
+    bound); False: none, the compact form (vLLM's disable_any_whitespace). Whether the spec
+    compiles is checked by roseray.engine.structured_output, not here.
     """
 
     kind: str
     spec: str = ""
+    any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
         if not isinstance(self.spec, str):
             raise ValueError(f"structured output spec must be a string, got {type(self.spec).__name__}")
+        if not isinstance(self.any_whitespace, bool):
+            raise ValueError(f"structured output any_whitespace must be a bool, got {self.any_whitespace!r}")
         if self.kind != "json_object" and not self.spec:
             raise ValueError(f"structured output of kind {self.kind!r} needs a spec")
 
@@ -44,8 +49,8 @@ class StructuredOutputs:
         return cls("choice", json.dumps(list(options)))
 
     @classmethod
-    def json_schema(cls, schema: dict | str) -> StructuredOutputs:
-        return cls("json", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
+    def json_schema(cls, schema: dict | str, any_whitespace: bool = True) -> StructuredOutputs:
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema), any_whitespace)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""python -m roseray.bench {throughput,stream,serving,kernels,step-overhead} [options]"""
+"""python -m roseray.bench {throughput,stream,serving,kernels,step-overhead,structured} [options]"""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ BENCHMARKS = {
     "serving": ("roseray.bench.serving", "W-seed through HTTP against the in-process engine, in one run"),
     "kernels": ("roseray.bench.kernels", "Triton KV-append and paged-attention microbenchmarks"),
     "step-overhead": ("roseray.bench.step_overhead", "host time per decode step outside the model forward"),
+    "structured": ("roseray.bench.structured", "json_schema responses vs unconstrained, against any OpenAI server"),
 }
 
 

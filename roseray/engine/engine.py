@@ -21,6 +21,8 @@ from roseray.engine.outputs import EngineStats, RequestDelta
 from roseray.engine.request import FINISH_REASONS, PLACEHOLDER, Request, RequestStatus
 from roseray.engine.sampler import PendingSample, Sampler
 from roseray.engine.scheduler import Scheduler, SchedulerOutput
+from roseray.engine.structured_output import check_structured_outputs
+from roseray.engine.structured_requests import StructuredOutputManager
 from roseray.models.loader import load_model, load_model_config
 from roseray.sampling_params import SamplingParams
 from roseray.tokenizer import load_tokenizer
@@ -36,6 +38,18 @@ class InFlightStep:
     sampling: list[Request]  # requests that sample a token, in row order
     output_index: list[int]  # where each sampled token goes in its request's output
     sample: PendingSample
+
+
+@dataclass(slots=True)
+class ForwardStep:
+    """A step whose forward is launched and whose sampling is not (yet)."""
+
+    batch: SchedulerOutput
+    logits: object  # [len(sampling), vocab] on the device
+    argmax: object  # the logits' argmax when the forward computed it, else None
+    sampling: list[Request]
+    chunks: list[Request]
+    constrained: bool  # some sampling request has a grammar: its mask needs the previous step's tokens
 
 
 class LLMEngine:
@@ -65,6 +79,9 @@ class LLMEngine:
         self.runner.capture_cuda_graphs()
         eos = self.model_config.eos_token_ids or [self.tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                  sorted(self.eos_token_ids), config.max_num_seqs, self.device,
+                                                  config.reasoning_parser)
         self.requests: dict[str, Request] = {}
         self._pending_deltas: list[RequestDelta] = []  # aborts to report on the next step
         self.last_error: BaseException | None = None
@@ -119,12 +136,18 @@ class LLMEngine:
         else:
             prompt_text, token_ids = None, [int(t) for t in prompt]
         max_tokens = self.limits.check(token_ids, sampling_params)
+        structured = sampling_params.structured_outputs
+        if structured is not None:
+            check_structured_outputs(structured)  # ValueError: the caller's 400
         req = Request(request_id, token_ids, sampling_params, prompt=prompt_text, eos_token_ids=self.eos_token_ids,
                       max_tokens=max_tokens, arrival_time=arrival_time)
         if stream_text or sampling_params.stop:
             req.detokenizer = make_detokenizer(self.tokenizer, token_ids, sampling_params.skip_special_tokens)
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        if structured is None:
+            self.scheduler.add(req)
+        else:  # scheduled once its grammar is compiled (on the compiler's thread)
+            self.structured.add(req)
         if sampling_params.needs_penalties:
             self._num_penalty_requests += 1
         if not sampling_params.is_plain_greedy:
@@ -136,12 +159,24 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        if not self.structured.discard(req):
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         self._finalize(req, RequestStatus.FINISHED_ABORTED)
         self._pending_deltas.append(self._delta(req, [], "", None, True))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_deltas) or self._in_flight is not None
+
+    def _admit_compiled(self, deltas: list[RequestDelta]) -> None:
+        """Schedule the constrained requests whose grammar is ready; end those whose grammar failed."""
+        idle = not self.scheduler.running and not self.scheduler.waiting and self._in_flight is None
+        ready, failed = self.structured.take_compiled(wait=idle)
+        for req in ready:
+            self.scheduler.add(req)
+        for req in failed:
+            self.requests.pop(req.request_id, None)
+            self._finalize(req, RequestStatus.FINISHED_ERROR)
+            deltas.append(self._delta(req, [], "", None, True))
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -157,12 +192,21 @@ class LLMEngine:
 
     def _step(self) -> list[RequestDelta]:
         deltas, self._pending_deltas = self._pending_deltas, []
+        if self.structured.num_compiling:
+            self._admit_compiled(deltas)
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None and not self._can_overlap():
             deltas += self._process(in_flight)
             in_flight = None
         batch = self.scheduler.schedule()
-        launched = self._launch(batch, in_flight, deltas) if batch else None
+        launched = None
+        if batch:
+            forward = self._forward(batch, in_flight, deltas)
+            if forward is not None and forward.constrained and in_flight is not None:
+                # the grammars need the tokens of the step before: take them while the GPU runs this forward
+                deltas += self._process(in_flight)
+                in_flight = None
+            launched = self._sample(forward, deltas) if forward is not None else None
         if in_flight is not None:
             deltas += self._process(in_flight)
         if launched is not None and not self._can_overlap():
@@ -175,10 +219,9 @@ class LLMEngine:
         # Penalties need every sampled token on the host before the next sample.
         return self.overlap and self._num_penalty_requests == 0
 
-    def _launch(self, batch: SchedulerOutput, in_flight: InFlightStep | None,
-                deltas: list[RequestDelta]) -> InFlightStep | None:
-        """Forward and sample `batch` on the device; advance every request as if its new
-        token had arrived (a PLACEHOLDER until the results are processed)."""
+    def _forward(self, batch: SchedulerOutput, in_flight: InFlightStep | None,
+                 deltas: list[RequestDelta]) -> ForwardStep | None:
+        """Launch `batch`'s forward on the device (None if it failed: its requests are ended)."""
         reqs = batch.requests
         try:
             logits, sample_mask, argmax = self.runner.run(batch, self.block_manager,
@@ -189,13 +232,33 @@ class LLMEngine:
                 mask = sample_mask.tolist()
                 sampling = [r for r, m in zip(reqs, mask) if m]
                 chunks = [r for r, m in zip(reqs, mask) if not m]
-            sample = self.sampler.launch(logits, sampling, all_plain_greedy=self._num_not_plain_greedy == 0,
-                                         argmax=argmax)
-        except Exception as exc:  # the model or sampler failed: end this step's requests, keep the engine
-            logger.exception("engine step failed; finishing its %d requests with an error", len(batch))
-            self.last_error = exc
-            deltas += self._fail(reqs)
+        except Exception as exc:  # the model failed: end this step's requests, keep the engine
+            self._step_failed(exc, reqs, deltas)
             return None
+        constrained = self.structured.num_requests > 0 and any(r.grammar is not None for r in sampling)
+        return ForwardStep(batch, logits, argmax, sampling, chunks, constrained)
+
+    def _step_failed(self, exc: Exception, reqs: list[Request], deltas: list[RequestDelta]) -> None:
+        logger.exception("engine step failed; finishing its %d requests with an error", len(reqs))
+        self.last_error = exc
+        deltas += self._fail(reqs)
+
+    def _sample(self, forward: ForwardStep, deltas: list[RequestDelta]) -> InFlightStep | None:
+        """Sample the forward's logits on the device (through the grammars' masks where a request
+        has one); advance every request as if its new token had arrived (a PLACEHOLDER until the
+        results are processed)."""
+        batch, sampling = forward.batch, forward.sampling
+        reqs = batch.requests
+        try:
+            grammar_mask = self.structured.mask(sampling) if forward.constrained else None
+            sample = self.sampler.launch(forward.logits, sampling, all_plain_greedy=self._num_not_plain_greedy == 0,
+                                         argmax=forward.argmax, grammar_mask=grammar_mask)
+        except Exception as exc:  # the sampler failed: end this step's requests, keep the engine
+            self._step_failed(exc, [r for r in reqs if not r.is_finished], deltas)
+            return None
+        chunks = forward.chunks
+        if forward.constrained:  # the step before was processed in between: some may have finished
+            return self._advance_live(batch, chunks, sampling, sample)
         for req, num_new in zip(reqs, batch.num_new_tokens):
             req.num_computed_tokens += num_new
         output_index = []
@@ -206,6 +269,28 @@ class LLMEngine:
             req.token_ids.append(PLACEHOLDER)
             req.output_token_ids.append(PLACEHOLDER)
         return InFlightStep(chunks, sampling, output_index, sample)
+
+    def _advance_live(self, batch: SchedulerOutput, chunks: list[Request], sampling: list[Request],
+                      sample: PendingSample) -> InFlightStep:
+        """_sample's bookkeeping for requests that may have finished since their forward was
+        launched: those are left as they are (the token sampled for them is dropped, and a
+        generator the sampler made for it again is forgotten)."""
+        for req, num_new in zip(batch.requests, batch.num_new_tokens):
+            if not req.is_finished:
+                req.num_computed_tokens += num_new
+        output_index = []
+        for row, req in enumerate(sampling):
+            if req.is_finished:
+                output_index.append(-1)
+                if req.sampling_params.seed is not None:
+                    self.sampler.release(req)
+                continue
+            req.sample_row = row
+            req.num_pending += 1
+            output_index.append(len(req.output_token_ids))
+            req.token_ids.append(PLACEHOLDER)
+            req.output_token_ids.append(PLACEHOLDER)
+        return InFlightStep([r for r in chunks if not r.is_finished], sampling, output_index, sample)
 
     def _process(self, step: InFlightStep) -> list[RequestDelta]:
         """Turn a launched step's sampled tokens into request updates and deltas (the
@@ -238,6 +323,8 @@ class LLMEngine:
             status = None
             if num_output >= req.max_tokens or token in req.stop_ids or num_prompt + num_output >= max_model_len:
                 status = self._check_stop(req, token, num_output)
+            if req.grammar is not None:
+                status = self.structured.advance(req, token, num_output, status)
             detokenizer = req.detokenizer
             if detokenizer is None:
                 new_text = ""
@@ -305,6 +392,8 @@ class LLMEngine:
             self._num_penalty_requests -= 1
         if not req.sampling_params.is_plain_greedy:
             self._num_not_plain_greedy -= 1
+        if req.sampling_params.structured_outputs is not None:
+            self.structured.release(req)
         if req.sampling_params.seed is not None:
             self.sampler.release(req)
         req.finish_reason = FINISH_REASONS[status]
@@ -328,7 +417,8 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + self.structured.num_compiling,
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks, kv_cache_usage=bm.usage,
             prefix_cache_hits=bm.prefix_cache_hits, prefix_cache_queries=bm.prefix_cache_queries,
             num_preemptions_total=self.scheduler.num_preemptions_total,
@@ -339,7 +429,9 @@ class LLMEngine:
     def check_integrity(self) -> None:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
         self.block_manager.check_integrity(live)
-        assert {r.request_id for r in live} == set(self.requests), "request table disagrees with the scheduler"
+        assert {r.request_id for r in live} | self.structured.compiling_ids() == set(self.requests), \
+            "request table disagrees with the scheduler"
+        self.structured.check_integrity(live, self.requests.values())
         params = [r.sampling_params for r in self.requests.values()]
         assert self._num_penalty_requests == sum(p.needs_penalties for p in params), "penalty count drifted"
         assert self._num_not_plain_greedy == sum(not p.is_plain_greedy for p in params), "sampling count drifted"

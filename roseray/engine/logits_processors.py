@@ -1,5 +1,5 @@
 """Logits processors: the stages that change a step's logits before a token is drawn
-(penalties, min_tokens, top-k/top-p, min-p), each in place on a batch, and the host->device
+(grammar masks, penalties, min_tokens, top-k/top-p, min-p), each in place on a batch, and the host->device
 copies they and the sampler share."""
 
 from __future__ import annotations
@@ -121,6 +121,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
     num_kept = (mass_before < top_ps.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
     cutoff = candidates.gather(1, num_kept - 1)  # [B, 1]
     logits.masked_fill_(logits < cutoff, float("-inf"))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Grammar masks, in place: in logits row rows[i], the tokens whose bit in bitmask[i] (int32
+    words, bit j of word w = token 32w + j) is clear get -inf, as do tokens past the mask. The
+    reference of (and CPU path beside) the Triton kernel roseray_kernels.token_bitmask."""
+    if bitmask.shape[0] == 0:
+        return
+    vocab_size = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(2) >> shifts) & 1).flatten(1).bool()  # [R, 32 * W]
+    if allowed.shape[1] < vocab_size:
+        pad = torch.zeros(allowed.shape[0], vocab_size - allowed.shape[1], dtype=torch.bool, device=allowed.device)
+        allowed = torch.cat([allowed, pad], dim=1)
+    masked = logits.index_select(0, rows).masked_fill_(~allowed[:, :vocab_size], float("-inf"))
+    logits.index_copy_(0, rows, masked)
 
 
 def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> None:

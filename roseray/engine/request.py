@@ -43,8 +43,8 @@ class Request:
     `num_blocks` for every running request every step and the engine reads
     `num_committed_blocks` for every sampled token; an attribute is the cheapest read there.
     Likewise `scheduled_step`, `num_pending` and `sample_row` are the step's bookkeeping read
-    in the same loops. The block hashes live in the block manager, a seeded generator in the
-    sampler.
+    in the same loops, and `grammar` (a constrained request's matcher) is read per token. The
+    block hashes live in the block manager, a seeded generator in the sampler.
     """
 
     __slots__ = (
@@ -54,7 +54,7 @@ class Request:
         "output_text", "finish_reason", "stop_reason", "logprobs", "cumulative_logprob",
         "arrival_time", "first_scheduled_time", "first_token_time", "last_token_time",
         "finished_time", "num_preemptions", "eos_token_ids", "stop_token_ids", "stop_ids", "max_tokens",
-        "scheduled_step", "num_pending", "sample_row",
+        "scheduled_step", "num_pending", "sample_row", "grammar",
     )
 
     def __init__(
@@ -100,6 +100,7 @@ class Request:
         self.scheduled_step = -1  # the scheduler step that last scheduled this request
         self.num_pending = 0  # trailing tokens still being sampled on the device (PLACEHOLDER in token_ids)
         self.sample_row = -1  # row of this request in the in-flight step's sampled ids
+        self.grammar = None  # its structured output's matcher (structured_output.RequestGrammar), if constrained
 
     @property
     def num_tokens(self) -> int:

@@ -4,7 +4,8 @@ One call turns the last-position logits of a step (`[batch, vocab]`, row i belon
 requests[i]) into one token per request. Order of work, each stage only when some row
 needs it:
 
-    raw logprobs (log_softmax of the model's logits, vLLM's default)
+    grammar masks (the tokens a constrained request's grammar forbids get -inf)
+    -> raw logprobs (log_softmax of the model's logits, vLLM's default)
     -> repetition, frequency, presence penalties
     -> min_tokens: EOS and stop token ids masked to -inf
     -> greedy rows: argmax
@@ -38,6 +39,7 @@ from roseray.engine.logits_processors import (
     PromptTokenCache,
     apply_min_p,
     apply_penalties,
+    apply_token_bitmask,
     apply_top_k_top_p,
     mask_min_tokens,
     to_device,
@@ -147,14 +149,26 @@ class Sampler:
         return self.launch(logits, requests).result()
 
     def launch(self, logits: torch.Tensor, requests: list[Request], all_plain_greedy: bool = False,
-               argmax: torch.Tensor | None = None) -> PendingSample:
+               argmax: torch.Tensor | None = None,
+               grammar_mask: tuple[torch.Tensor, list[int]] | None = None) -> PendingSample:
         """Sample on the device and start the copy of the results to the host; nothing
         waits for the GPU until `PendingSample.result()`. `all_plain_greedy`: the caller
         knows every request wants the argmax alone (skips gathering per-row parameters).
         `argmax`: the logits' argmax when the caller has it already (a decode step's forward
-        computes it), int64 on the logits' device."""
+        computes it), int64 on the logits' device. `grammar_mask`: (bitmask [R, words] int32
+        on the logits' device, the R rows it constrains): those rows' forbidden tokens get
+        -inf in `logits` itself, before any other stage."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [len(requests)={len(requests)}, vocab], got {tuple(logits.shape)}")
+        if grammar_mask is not None:
+            bitmask, rows = grammar_mask
+            row_index = to_device(rows, torch.int64, logits.device)
+            with torch.inference_mode():  # the model's logits are an inference tensor
+                if fused.use_triton(logits) and logits.stride(1) == 1:
+                    fused.apply_token_bitmask_(logits, bitmask, row_index)
+                else:
+                    apply_token_bitmask(logits, bitmask, row_index)
+            argmax = None  # of the logits before the mask
         if all_plain_greedy:
             token_ids = logits.argmax(dim=-1) if argmax is None else argmax
             return PendingSample(token_ids, token_ids, None, None)

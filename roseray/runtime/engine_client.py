@@ -19,6 +19,7 @@ from collections.abc import Callable
 from roseray.config import EngineConfig
 from roseray.engine.limits import RequestLimits
 from roseray.engine.outputs import EngineStats, RequestDelta
+from roseray.engine.structured_output import check_structured_outputs
 from roseray.sampling_params import SamplingParams
 
 
@@ -58,9 +59,12 @@ class EngineClient(abc.ABC):
         self._stats = EngineStats(num_free_blocks=limits.num_blocks, num_total_blocks=limits.num_blocks)
 
     def prepare(self, prompt: str | list[int], sampling_params: SamplingParams) -> list[int]:
-        """The prompt's token ids, checked against the engine's limits (ValueError if it can never run)."""
+        """The prompt's token ids, checked against the engine's limits and its structured output
+        against the grammar engine (ValueError if it can never run)."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.limits.check(token_ids, sampling_params)
+        if sampling_params.structured_outputs is not None:  # a spec that cannot compile: a 400 here, not in the engine
+            check_structured_outputs(sampling_params.structured_outputs)
         return token_ids
 
     @property

@@ -4,8 +4,10 @@ transformers and as eager mode. Skipped without a GPU (run on the GPU host)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
+import jsonschema
 import pytest
 import torch
 import transformers
@@ -14,6 +16,7 @@ from roseray import LLM, SamplingParams
 from roseray.config import EngineConfig
 from roseray.runtime.async_engine import AsyncLLMEngine
 from roseray.runtime.process_client import EngineProcessClient
+from roseray.sampling_params import StructuredOutputs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -115,3 +118,24 @@ def test_engine_process_on_cuda_equals_offline(model_path):
             await engine.shutdown()
 
     assert asyncio.run(serve_all()) == expected
+
+
+def test_constrained_outputs_validate_with_graphs_and_overlap(model_path):
+    """Structured outputs on CUDA: bf16, CUDA graphs, async scheduling (the mask of a step filled
+    while its forward runs), the Triton mask kernel, batched with unconstrained rows."""
+    schema = {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        "name": {"type": "string", "maxLength": 5}}, "required": ["id", "tags", "name"], "additionalProperties": False}
+    llm = LLM(str(model_path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_num_batched_tokens=64)
+    assert llm.engine.overlap and llm.engine.runner.graphs
+    prompts = batch(32, seed=3)
+    params = [SamplingParams(temperature=1.0 if i % 3 else 0.0, max_tokens=100, seed=i,
+                             structured_outputs=StructuredOutputs.json_schema(schema, any_whitespace=False))
+              if i % 2 else SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True) for i in range(32)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for output in outputs[1::2]:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), schema)
+    llm.engine.check_integrity()

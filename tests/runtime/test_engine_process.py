@@ -19,7 +19,7 @@ from roseray.runtime.async_engine import AsyncLLMEngine, EngineUnavailableError,
 from roseray.runtime.engine_client import EngineError
 from roseray.runtime.messages import AbortRequest, AddRequests, decode
 from roseray.runtime.process_client import EngineProcessClient
-from roseray.sampling_params import SamplingParams
+from roseray.sampling_params import SamplingParams, StructuredOutputs
 from tests.openai_api.helpers import serving, sse_events, wait_until_idle
 from tests.runtime.client_helpers import check_integrity, run_to_end, wait_outputs
 from tests.waiting import async_wait_until
@@ -38,6 +38,12 @@ REQUESTS = [
     ([9] * 40, SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)),
     ([5, 6], SamplingParams(temperature=0.0, max_tokens=30, stop=["iii"], ignore_eos=True)),
     ([7, 7, 7], SamplingParams(temperature=0.0, max_tokens=12, presence_penalty=0.5, ignore_eos=True)),
+    ("as json", SamplingParams(temperature=0.8, seed=3, max_tokens=300,
+                               structured_outputs=StructuredOutputs.json_schema(
+                                   {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 99}},
+                                    "required": ["n"], "additionalProperties": False}))),
+    ([8, 9], SamplingParams(temperature=0.0, max_tokens=50, structured_outputs=StructuredOutputs.choice(["ab", "cd"]))),
 ]
 
 
@@ -88,6 +94,8 @@ def test_outputs_equal_the_in_process_engine(child_engine):
     assert outputs == expected
     assert outputs[1][2] and all(isinstance(k, int) for k in outputs[1][2][0])  # logprobs keyed by token id
     assert outputs[3][3] == "stop" and outputs[3][4] == "iii"  # the stop string, reported as stop_reason
+    assert outputs[5][3] == "stop" and 0 <= json.loads(outputs[5][1])["n"] <= 99  # the grammar, in the child too
+    assert outputs[6][3] == "stop" and outputs[6][1] in ("ab", "cd")
 
 
 def test_admission_errors_are_the_engine_messages(child_engine):
@@ -99,7 +107,41 @@ def test_admission_errors_are_the_engine_messages(child_engine):
             await child_engine.add_request("too-long", [1] * 1000, SamplingParams(max_tokens=100))
         with pytest.raises(ValueError, match="logprobs must be at most 4"):
             await child_engine.add_request("lp", [1], SamplingParams(logprobs=5))
+        with pytest.raises(ValueError, match=r"structured output \(regex\)"):
+            await child_engine.add_request("re", [1],
+                                           SamplingParams(structured_outputs=StructuredOutputs("regex", "(")))
         assert (await child_engine.check_integrity())["num_running"] == 0
+
+    asyncio.run(main())
+
+
+def test_closing_constrained_streams_frees_blocks_and_matchers(child_engine):
+    """Constrained streams closed mid-way (and one closed while its grammar may still compile):
+    the child's KV blocks and constrained-request count are back to empty, and a new constrained
+    request still runs to a valid end."""
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 50}
+
+    async def main():
+        child_engine.start()
+        streams = [await child_engine.add_request(f"c{i}", [1, 2, 3], SamplingParams(
+            max_tokens=1000, temperature=1.0, structured_outputs=StructuredOutputs.json_schema(schema)))
+            for i in range(4)]
+        streams[0].close()  # at once
+        for stream in streams[1:]:
+            async for _ in stream:
+                break
+            stream.close()
+        await async_wait_until(lambda: not child_engine.client.has_unfinished_requests(),
+                               message="the aborts reached the engine process")
+        counts = await child_engine.check_integrity()  # includes the constrained-request count
+        assert counts["num_free_blocks"] == counts["num_total_blocks"] and counts["num_running"] == 0
+        stream = await child_engine.add_request("after", [4], SamplingParams(
+            max_tokens=300, structured_outputs=StructuredOutputs.json_schema(schema, any_whitespace=False)))
+        text, last = "", None
+        async for deltas in stream:
+            text += "".join(d.new_text for d in deltas)
+            last = deltas[-1]
+        assert last.finish_reason == "stop" and isinstance(json.loads(text), list)
 
     asyncio.run(main())
 

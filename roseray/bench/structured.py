@@ -1,0 +1,131 @@
+"""Structured outputs under load, against any OpenAI-compatible server (roseray or vLLM).
+
+    python -m roseray.bench structured --base-url http://127.0.0.1:8000 --concurrency 64 256
+
+For each concurrency level, a closed loop of that many clients sends chat completions with a
+`json_schema` response format (SCHEMA: a fixed-size array of records, so every output has
+about the same length and ends by the grammar), then the same requests unconstrained with
+`max_tokens` set to the constrained run's mean completion length and `ignore_eos`, so both
+runs generate the same number of tokens per request. Reported per run: output tok/s (from
+the usage the server returns, over the wall time), requests completed, and for constrained
+runs how many outputs parse and validate against the schema. The cost of the constraint is
+1 - constrained tok/s / unconstrained tok/s. `--compact` sends vLLM's
+`structured_outputs: {"json": ..., "disable_any_whitespace": true}` instead of a response
+format (the JSON has no free whitespace). One JSON line per run on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import httpx
+import jsonschema
+from tqdm import tqdm
+
+RECORD = {"type": "object", "properties": {
+    "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+    "name": {"type": "string", "minLength": 8, "maxLength": 8},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 2, "maxItems": 2},
+    "ok": {"type": "boolean"}}, "required": ["id", "name", "tags", "ok"], "additionalProperties": False}
+SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items": RECORD, "minItems": 8, "maxItems": 8}},
+          "required": ["records"], "additionalProperties": False}
+PROMPT = "List eight inventory records as JSON: id, an eight-letter name, two colour tags and a status. Request {i}."
+TIMEOUT_S = 600.0
+
+
+def _body(args, i: int, constrained: bool, max_tokens: int) -> dict:
+    body = {"model": args.model, "messages": [{"role": "user", "content": PROMPT.format(i=i)}],
+            "temperature": args.temperature, "max_tokens": max_tokens}
+    if not constrained:
+        body["ignore_eos"] = True
+    elif args.compact:
+        body["structured_outputs"] = {"json": SCHEMA, "disable_any_whitespace": True}
+    else:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "records", "schema": SCHEMA,
+                                                                          "strict": True}}
+    return body
+
+
+async def run_level(args, concurrency: int, constrained: bool, max_tokens: int) -> dict:
+    """One closed-loop run: `concurrency` clients, `args.requests_per_client` requests each."""
+    num_requests = concurrency * args.requests_per_client
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(num_requests):
+        queue.put_nowait(i)
+    results: list[dict] = []
+    label = f"{'json' if constrained else 'free'} x{concurrency}"
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=TIMEOUT_S, limits=limits) as client:
+        with tqdm(total=num_requests, desc=label, leave=False) as bar:
+            async def worker() -> None:
+                while not queue.empty():
+                    i = queue.get_nowait()
+                    response = await client.post("/v1/chat/completions", json=_body(args, i, constrained, max_tokens))
+                    results.append(_result(response, constrained))
+                    bar.update()
+
+            started = time.monotonic()
+            await asyncio.gather(*[worker() for _ in range(concurrency)])
+            seconds = time.monotonic() - started
+    ok = [r for r in results if r["status"] == 200]
+    tokens = sum(r["completion_tokens"] for r in ok)
+    return {"constrained": constrained, "concurrency": concurrency, "requests": num_requests, "completed": len(ok),
+            "valid": sum(r["valid"] for r in ok) if constrained else None,
+            "finish_length": sum(r["finish_reason"] == "length" for r in ok),
+            "output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 1),
+            "mean_completion_tokens": round(tokens / max(len(ok), 1), 1)}
+
+
+def _result(response: httpx.Response, constrained: bool) -> dict:
+    if response.status_code != 200:
+        return {"status": response.status_code, "error": response.text[:300]}
+    body = response.json()
+    choice = body["choices"][0]
+    valid = False
+    if constrained:
+        try:
+            jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+            valid = True
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return {"status": 200, "completion_tokens": body["usage"]["completion_tokens"], "valid": valid,
+            "finish_reason": choice["finish_reason"]}
+
+
+async def run(args) -> list[dict]:
+    rows = []
+    await run_level(args, min(args.concurrency), True, args.max_tokens)  # warm-up: compile, caches, graphs
+    for concurrency in args.concurrency:
+        constrained = await run_level(args, concurrency, True, args.max_tokens)
+        length = max(1, round(constrained["mean_completion_tokens"]))
+        free = await run_level(args, concurrency, False, length)
+        for row in (constrained, free):
+            row["server"] = args.label
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        cost = 1 - constrained["output_tok_s"] / max(free["output_tok_s"], 1e-9)
+        print(json.dumps({"server": args.label, "concurrency": concurrency, "constraint_cost": round(cost, 4)}),
+              flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m roseray.bench structured", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (no /v1)")
+    parser.add_argument("--model", default=None, help="the model name to send (default: the server's first)")
+    parser.add_argument("--label", default="server", help="a name for this server in the output")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256], help="clients at once, per run")
+    parser.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends per run")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="the constrained requests' max_tokens")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--compact", action="store_true",
+                        help="vLLM's structured_outputs with disable_any_whitespace instead of response_format")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        args.model = httpx.get(f"{args.base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    asyncio.run(run(args))
+    return 0

@@ -1,0 +1,275 @@
+"""Grammar-constrained decoding: a StructuredOutputs turned into a per-request matcher and
+the token bitmask the sampler applies.
+
+The grammar engine is xgrammar (DESIGN.md says why): its compiler turns a JSON schema, a
+regular expression, a choice, an EBNF grammar or a structural tag into a CompiledGrammar for
+this tokenizer; a GrammarMatcher per request walks it token by token and fills the next
+token's allowed set as a bitmask of int32 words.
+
+- `check_structured_outputs` parses a spec without the tokenizer (cheap): the API process
+  calls it so that a spec that cannot be compiled or enforced is a 400 before the request
+  reaches the engine. Keywords xgrammar would silently not enforce (UNENFORCED_KEYWORDS)
+  are refused by name.
+- `GrammarCompiler` compiles on a worker thread (the engine keeps stepping meanwhile) and
+  keeps up to `max_cached` compiled grammars by (kind, spec), least recently used first out.
+- `RequestGrammar` is one request's matcher. With a reasoning parser it is inactive until
+  the output ends the reasoning (its end marker's token ids), unless the prompt already did.
+- `GrammarBitmask` fills the constrained rows of a step into one pinned host buffer and
+  copies it to the device once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import xgrammar as xgr
+
+from roseray.sampling_params import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+# JSON whitespace allowed in a row between tokens (any_whitespace): a model that loops on
+# newlines cannot fill max_tokens with them
+MAX_WHITESPACE = 20
+MAX_CACHED_GRAMMARS = 256
+# JSON schema keywords that constrain a value but that xgrammar does not enforce: a schema using
+# one is refused rather than answered with output that may break it
+UNENFORCED_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies", "uniqueItems",
+    "contains", "minContains", "maxContains", "patternProperties", "propertyNames", "unevaluatedProperties",
+    "unevaluatedItems", "multipleOf", "minProperties", "maxProperties", "$dynamicRef", "$recursiveRef",
+    "contentMediaType", "contentEncoding", "contentSchema",
+})
+# string formats xgrammar enforces; any other format is refused
+ENFORCED_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname",
+                              "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keywords whose values map names to schemas
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # keywords whose values are lists of schemas
+_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[12:00:00] /path/file.cc:83: " of its errors
+
+
+def check_structured_outputs(spec: StructuredOutputs) -> None:
+    """Raise ValueError (naming what is wrong) unless `spec` compiles and is enforceable."""
+    try:
+        _parse(spec)
+    except ValueError:
+        raise
+    except Exception as error:  # noqa: BLE001 - xgrammar raises RuntimeError (and others) with a message
+        raise ValueError(f"structured output ({spec.kind}): {_xgrammar_message(error)}") from None
+
+
+def _parse(spec: StructuredOutputs) -> xgr.Grammar:
+    kind = spec.kind
+    if kind == "json":
+        try:
+            schema = json.loads(spec.spec)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"structured output (json): the schema is not valid JSON ({error})") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("structured output (json): the schema must be a JSON object")
+        _check_schema(schema, "#")
+        return json_schema_grammar(spec.spec, spec.any_whitespace)
+    if kind == "json_object":
+        return json_schema_grammar(_ANY_OBJECT, spec.any_whitespace)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec.spec)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(_choice_ebnf(spec.spec))
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(spec.spec)
+    return xgr.Grammar.from_structural_tag(spec.spec)
+
+
+def json_schema_grammar(schema: str, any_whitespace: bool = True) -> xgr.Grammar:
+    """The schema's grammar, with its string characters made JSON's: xgrammar's rule for the
+    characters of a string with minLength/maxLength admits raw U+0000..U+001F, which JSON
+    forbids unescaped, and its string rules admit the UTF-8 encodings of surrogates
+    (U+D800..U+DFFF), which are not UTF-8 (a decoder replaces them, so the text would break the
+    schema's length bounds)."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace,
+                                           max_whitespace_cnt=MAX_WHITESPACE if any_whitespace else None)
+    text = str(grammar)
+    fixed = text.replace(_LOOSE_STRING_CHARACTER, _STRING_CHARACTER).replace(_BASIC_STRING_CHARACTER,
+                                                                              _STRING_CHARACTER)
+    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+
+
+_ANY_OBJECT = '{"type": "object"}'  # json_object: any JSON object
+# the character classes of strings as xgrammar prints them, and what replaces both
+_LOOSE_STRING_CHARACTER = r'[^\"\\\r\n]'
+_BASIC_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
+_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+
+
+def _choice_ebnf(spec: str) -> str:
+    try:
+        options = json.loads(spec)
+    except json.JSONDecodeError:
+        options = None
+    if not isinstance(options, list) or not options or not all(isinstance(o, str) and o for o in options):
+        raise ValueError("structured output (choice): choice must be a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(option, ensure_ascii=False) for option in options)
+
+
+def _check_schema(schema: object, path: str) -> None:
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise ValueError(f"structured output (json): {path} is not a schema (an object or a boolean)")
+    for keyword, value in schema.items():
+        if keyword in UNENFORCED_KEYWORDS:
+            raise ValueError(f"structured output (json): the schema keyword {keyword!r} (at {path}) is not "
+                             "supported: the grammar engine cannot enforce it")
+        if keyword == "format" and value not in ENFORCED_FORMATS:
+            raise ValueError(f"structured output (json): the string format {value!r} (at {path}) is not supported "
+                             f"(supported: {', '.join(sorted(ENFORCED_FORMATS))})")
+        if keyword == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+            raise ValueError(f"structured output (json): only local references ('#/...') are supported, got "
+                             f"$ref {value!r} (at {path})")
+        if keyword in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                _check_schema(sub, f"{path}/{keyword}/{name}")
+        elif keyword in _SCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                _check_schema(sub, f"{path}/{keyword}/{i}")
+        elif keyword in ("items", "additionalProperties", "additionalItems") and isinstance(value, (dict, bool)):
+            _check_schema(value, f"{path}/{keyword}")
+
+
+def _xgrammar_message(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return _XGRAMMAR_PREFIX.sub("", text)
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputs for one tokenizer on a worker thread, with a bounded cache."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
+                 max_cached: int = MAX_CACHED_GRAMMARS, threads: int = 2) -> None:
+        self.vocab_size = vocab_size
+        self.info = _tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
+        self._cache: OrderedDict[StructuredOutputs, Future] = OrderedDict()
+        self.max_cached = max_cached
+
+    def submit(self, spec: StructuredOutputs) -> Future:
+        """A future of the CompiledGrammar (its exception: ValueError saying why it failed)."""
+        future = self._cache.get(spec)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._cache.move_to_end(spec)
+            return future
+        future = self._pool.submit(self._compile, spec)
+        self._cache[spec] = future
+        while len(self._cache) > self.max_cached:
+            self._cache.popitem(last=False)
+        return future
+
+    def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        return self.submit(spec).result()
+
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        check_structured_outputs(spec)
+        try:
+            if spec.kind in ("json", "json_object"):
+                schema = spec.spec if spec.kind == "json" else _ANY_OBJECT
+                return self._compiler.compile_grammar(json_schema_grammar(schema, spec.any_whitespace))
+            if spec.kind == "regex":
+                return self._compiler.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                return self._compiler.compile_grammar(_choice_ebnf(spec.spec))
+            if spec.kind == "grammar":
+                return self._compiler.compile_grammar(spec.spec)
+            return self._compiler.compile_structural_tag(spec.spec)
+        except Exception as error:  # noqa: BLE001 - xgrammar's errors, reworded
+            raise ValueError(f"structured output ({spec.kind}): {_xgrammar_message(error)}") from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of the tokenizer: a Hugging Face one as it is, any other by its pieces' bytes."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None:
+        return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    pieces = tokenizer.piece_table(skip_special_tokens=True)  # specials are b"": never allowed in text
+    if pieces is None:
+        raise ValueError(f"{tokenizer.name}: structured outputs need a Hugging Face tokenizer or a piece table")
+    return xgr.TokenizerInfo(pieces, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+
+
+class RequestGrammar:
+    """One request's matcher, and whether it constrains yet (reasoning first, with a parser)."""
+
+    __slots__ = ("matcher", "active", "end_marker", "failed")
+
+    def __init__(self, compiled: xgr.CompiledGrammar, end_marker: list[int] | None = None) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.end_marker = end_marker  # the reasoning's end: the grammar applies after these tokens
+        self.active = not end_marker
+        self.failed = False  # the matcher refused a token (only when a mask was not applied)
+
+    def accept(self, token: int, output_token_ids: list[int], num_output: int) -> None:
+        """Advance by the request's newest output token (output_token_ids[num_output - 1])."""
+        if not self.active:
+            marker = self.end_marker
+            if num_output >= len(marker) and output_token_ids[num_output - len(marker):num_output] == marker:
+                self.active = True
+            return
+        if not self.matcher.accept_token(token):
+            self.failed = True
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.active and self.matcher.is_terminated()
+
+
+# the reasoning parsers' markers (roseray.config.REASONING_PARSERS): where the grammar starts
+REASONING_MARKERS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>")}
+
+
+def reasoning_ended(prompt_token_ids: list[int], start_marker: list[int], end_marker: list[int]) -> bool:
+    """The prompt closes its reasoning already (its last end marker follows its last start
+    marker): a template that opened and closed an empty one (Qwen3's enable_thinking=False)."""
+    return _last_index(prompt_token_ids, end_marker) > _last_index(prompt_token_ids, start_marker)
+
+
+def _last_index(token_ids: list[int], marker: list[int]) -> int:
+    n = len(marker)
+    for i in range(len(token_ids) - n, -1, -1):
+        if token_ids[i:i + n] == marker:
+            return i
+    return -1
+
+
+class GrammarBitmask:
+    """The next-token bitmask of a step's constrained rows, filled on the host, copied once."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        self.num_words = (vocab_size + 31) // 32
+        pin = device.type == "cuda"
+        # two buffers, used in turn: a step's copy may still be queued when the next step fills
+        self._host = [torch.full((max_rows, self.num_words), -1, dtype=torch.int32, pin_memory=pin)
+                      for _ in range(2)]
+        self._turn = 0
+        self._device = device
+
+    def fill(self, grammars: list[RequestGrammar | None]) -> torch.Tensor:
+        """[len(grammars), num_words] int32 on the device: row i is grammars[i]'s allowed tokens
+        (all tokens for None or an inactive grammar)."""
+        self._turn ^= 1
+        host = self._host[self._turn][:len(grammars)]
+        for i, grammar in enumerate(grammars):
+            if grammar is None or not grammar.active or grammar.matcher.is_terminated():
+                host[i].fill_(-1)
+            else:
+                grammar.matcher.fill_next_token_bitmask(host, i)
+        if self._device.type == "cpu":
+            return host.clone()
+        return host.to(self._device, non_blocking=True)

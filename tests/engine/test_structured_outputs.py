@@ -1,0 +1,207 @@
+"""Grammar-constrained decoding in the engine: with random weights the grammar alone makes
+every output valid (JSON schemas, regex, choice, EBNF), greedy and sampled, batched with
+unconstrained requests, under chunked prefill, prefix caching and preemption; a spec that
+cannot be compiled or enforced is a ValueError naming the construct."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from roseray.engine.structured_output import check_structured_outputs
+from roseray.llm import LLM
+from roseray.sampling_params import SamplingParams, StructuredOutputs
+from tests.models.hf_models import make_tiny_model
+
+SCHEMAS = {
+    "nested_object": {
+        "type": "object",
+        "properties": {
+            "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999},
+                                                      "name": {"type": "string", "minLength": 1, "maxLength": 6}},
+                     "required": ["id", "name"], "additionalProperties": False},
+            "active": {"type": "boolean"},
+        },
+        "required": ["user", "active"], "additionalProperties": False,
+    },
+    "bounded_array": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                      "minItems": 2, "maxItems": 4},
+    "enum_and_const": {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                                        "version": {"const": 2}},
+                       "required": ["colour", "version"], "additionalProperties": False},
+    "any_of": {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 50},
+                                                                    {"type": "string", "maxLength": 4},
+                                                                    {"type": "null"}]}},
+               "required": ["value"], "additionalProperties": False},
+    "refs": {"$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 9}},
+                                 "required": ["x"], "additionalProperties": False}},
+             "type": "array", "items": {"$ref": "#/$defs/point"}, "minItems": 1, "maxItems": 3},
+}
+MAX_TOKENS = 400  # ample for the bounded schemas: an output that ends by length is a failure
+
+
+@pytest.fixture(scope="module")
+def byte_llm():
+    """random:tiny: the byte tokenizer of the random presets."""
+    return LLM("random:tiny", max_num_batched_tokens=64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_llm(tmp_path_factory):
+    """A tiny Qwen3 with a Hugging Face byte-level BPE tokenizer, through the real loader."""
+    path = make_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3"))
+    return LLM(str(path), max_num_batched_tokens=64, seed=5)
+
+
+def _json_params(schema: dict, temperature: float, seed: int | None = None, max_tokens: int = MAX_TOKENS,
+                 any_whitespace: bool = True) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
+                          structured_outputs=StructuredOutputs.json_schema(schema, any_whitespace))
+
+
+def _assert_valid_json(output, schema: dict) -> None:
+    completion = output.outputs[0]
+    assert completion.finish_reason == "stop", (completion.finish_reason, completion.text)
+    jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.parametrize("llm_name", ["byte_llm", "hf_llm"])
+def test_json_schemas_always_validate_batched_with_unconstrained(llm_name, request):
+    llm = request.getfixturevalue(llm_name)
+    # The tiny Qwen3 has 128 positions, and its BPE vocabulary many whitespace tokens that random
+    # weights pick often: it answers in compact JSON (no whitespace between tokens).
+    max_tokens = min(MAX_TOKENS, llm.engine.max_model_len - 16)
+    compact = llm_name == "hf_llm"
+    prompts, params, schemas = [], [], []
+    for i, schema in enumerate(SCHEMAS.values()):
+        for temperature in (0.0, 1.0, 1.0):
+            prompts.append(f"json {i}")
+            params.append(_json_params(schema, temperature, max_tokens=max_tokens, any_whitespace=not compact))
+            schemas.append(schema)
+    free = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True) for _ in range(4)]
+    outputs = llm.generate(prompts + ["unconstrained"] * 4, params + free, use_tqdm=False)
+    for output, schema in zip(outputs, schemas):
+        _assert_valid_json(output, schema)
+    for output in outputs[len(prompts):]:  # the unconstrained neighbours are not held to any grammar
+        assert len(output.outputs[0].token_ids) == 24
+    llm.engine.check_integrity()
+
+
+def test_json_object_regex_choice_and_grammar(byte_llm):
+    regex = r"[a-c]{2,4}-\d{3}"
+    choices = ["yes", "no", "maybe so"]
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    specs = [StructuredOutputs("json_object"), StructuredOutputs("regex", regex), StructuredOutputs.choice(choices),
+             StructuredOutputs("grammar", grammar)]
+    compact = StructuredOutputs.json_schema(SCHEMAS["enum_and_const"], any_whitespace=False)
+    params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, structured_outputs=spec)
+              for spec in specs for t in (0.0, 1.0)]
+    params.append(SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, structured_outputs=compact))
+    outputs = [o.outputs[0] for o in byte_llm.generate(["go"] * len(params), params, use_tqdm=False)]
+    for completion in outputs:
+        assert completion.finish_reason == "stop", completion
+    # no whitespace choice left: the separators are fixed (", " and ": ")
+    assert re.fullmatch(r'\{"colour": "(red|green|blue)", "version": 2\}', outputs[8].text), outputs[8].text
+    assert all(isinstance(json.loads(c.text), dict) for c in outputs[0:2])
+    assert all(re.fullmatch(regex, c.text) for c in outputs[2:4])
+    assert all(c.text in choices for c in outputs[4:6])
+    assert all(re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", c.text) for c in outputs[6:8])
+
+
+def test_max_tokens_still_cuts_a_constrained_output(byte_llm):
+    params = SamplingParams(temperature=1.0, max_tokens=3, structured_outputs=StructuredOutputs("json_object"))
+    completion = byte_llm.generate(["cut"], params, use_tqdm=False)[0].outputs[0]
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 3
+
+
+def test_preempted_and_prefix_cached_constrained_requests_stay_valid():
+    """Few KV blocks and a shared long prefix: requests are preempted (recomputed) and hit the
+    prefix cache mid-grammar; every output still validates."""
+    llm = LLM("random:tiny", num_kv_blocks=60, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, seed=7)
+    schema = SCHEMAS["nested_object"]
+    prefix = "a shared prompt, cached: "
+    prompts = [f"{prefix}question {i}" for i in range(8)]
+    params = [_json_params(schema, temperature=1.0, seed=i, max_tokens=120, any_whitespace=False) for i in range(8)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions_total > 0, "the scenario did not preempt"
+    assert stats.prefix_cache_hits > 0, "the scenario did not hit the prefix cache"
+    for output in outputs:
+        _assert_valid_json(output, schema)
+    llm.engine.check_integrity()
+
+
+def test_seeded_constrained_sampling_is_reproducible(byte_llm):
+    params = _json_params(SCHEMAS["any_of"], temperature=1.0, seed=1234)
+    first = byte_llm.generate(["same"], params, use_tqdm=False)[0].outputs[0].text
+    again = byte_llm.generate(["same"], params, use_tqdm=False)[0].outputs[0].text
+    assert first == again
+
+
+def test_aborted_constrained_requests_free_their_blocks_and_matchers(byte_llm):
+    engine = byte_llm.engine
+    for i in range(4):
+        engine.add_request(f"abort-{i}", "to be aborted", _json_params(SCHEMAS["refs"], 1.0))
+    engine.step()  # compiling or scheduled: both are aborted cleanly
+    for _ in range(3):
+        engine.step()
+    for i in range(4):
+        engine.abort_request(f"abort-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.structured.num_requests == 0
+    assert engine.get_stats().num_free_blocks == engine.get_stats().num_total_blocks
+
+
+@pytest.mark.parametrize(("spec", "named"), [
+    (StructuredOutputs.json_schema({"type": "object", "not": {"required": ["a"]}}), "'not'"),
+    (StructuredOutputs.json_schema({"type": "array", "uniqueItems": True}), "'uniqueItems'"),
+    (StructuredOutputs.json_schema({"type": "object", "patternProperties": {"^a": {}}}), "'patternProperties'"),
+    (StructuredOutputs.json_schema({"type": "string", "format": "credit-card"}), "'credit-card'"),
+    (StructuredOutputs.json_schema({"$ref": "https://example.com/schema.json"}), "local references"),
+    (StructuredOutputs.json_schema({"type": "integer", "multipleOf": 3}), "'multipleOf'"),
+    (StructuredOutputs.json_schema({"type": "wat"}), "wat"),
+    (StructuredOutputs("json", '{"type": '), "not valid JSON"),
+    (StructuredOutputs("regex", "(ab"), "parenthesis"),
+    (StructuredOutputs("grammar", 'root ::= "a" |'), "EBNF"),
+    (StructuredOutputs("choice", "[]"), "non-empty list"),
+])
+def test_unenforceable_specs_are_refused_by_name(spec, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check_structured_outputs(spec)
+
+
+def test_engine_refuses_a_bad_spec_at_add(byte_llm):
+    bad = SamplingParams(structured_outputs=StructuredOutputs("regex", "[z-a]"))
+    with pytest.raises(ValueError, match="structured output"):
+        byte_llm.engine.add_request("bad-spec", "x", bad)
+    assert "bad-spec" not in byte_llm.engine.requests
+
+
+def test_min_tokens_with_a_constraint_is_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputs("json_object"))
+
+
+def test_overlapped_steps_give_the_same_constrained_outputs():
+    """With async scheduling (the GPU default) a constrained batch's mask is filled after the step
+    before is processed, while this step's forward runs: the same tokens as one step at a time."""
+    schema = SCHEMAS["nested_object"]
+    prompts = [f"overlap {i}" for i in range(6)]
+    params = [_json_params(schema, temperature=1.0, seed=i, max_tokens=200) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True) for i in range(6)]
+    results = []
+    for overlap in (False, True):
+        llm = LLM("random:tiny", async_scheduling=overlap, max_num_batched_tokens=16, seed=9)
+        assert llm.engine.overlap is overlap
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outputs])
+        for output in outputs[1::2]:
+            _assert_valid_json(output, schema)
+        llm.engine.check_integrity()
+    assert results[0] == results[1]
