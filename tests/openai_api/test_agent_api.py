@@ -101,8 +101,8 @@ def test_parse_returns_the_pydantic_object(client, sampling):
     assert isinstance(choice.message.parsed, City), choice.message
 
 
-@pytest.mark.parametrize("sampling", SAMPLING)
-@pytest.mark.parametrize("parallel", [False, True])
+# parallel calls: greedy random weights may add calls to the list until max_tokens, so that one samples
+@pytest.mark.parametrize("parallel,sampling", [(False, SAMPLING[0]), (False, SAMPLING[1]), (True, SAMPLING[1])])
 def test_required_tool_choice_returns_valid_calls(client, sampling, parallel):
     completion = client.chat.completions.create(model="random:tiny", messages=MESSAGES, tools=TOOLS,
                                                 tool_choice="required", parallel_tool_calls=parallel,
