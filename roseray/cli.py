@@ -16,7 +16,7 @@ import logging
 import sys
 
 from roseray import envs
-from roseray.config import REMOVED_ENGINE_ARGS, EngineConfig, ServerConfig
+from roseray.config import REMOVED_ENGINE_ARGS, TOOL_CALL_PARSERS, EngineConfig, ServerConfig
 
 EXIT_RUNTIME_ERROR = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
@@ -48,6 +48,10 @@ ENGINE_ARG_HELP = {
     "engine_process": "serving: run the engine loop in its own process, so that the HTTP server and the "
                       "engine do not share one GIL (default: on for CUDA)",
     "revision": "model revision in the HF cache",
+    "reasoning_parser": "how the model marks its reasoning (qwen3: <think>...</think> in the output; deepseek_r1: "
+                        "the template opens <think>, the output closes it): chat responses carry it as "
+                        "reasoning_content (and reasoning), content without it, and a structured output "
+                        "applies after it (default: none, the reasoning stays in the content)",
 }
 
 SERVER_DEFAULTS = ServerConfig()
@@ -103,6 +107,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "none by default: CORS closed)")
     group.add_argument("--docs", action=argparse.BooleanOptionalAction, default=SERVER_DEFAULTS.enable_docs,
                        dest="enable_docs", help="serve the API schema at /openapi.json and Swagger UI at /docs")
+    group.add_argument("--tool-call-parser", default=SERVER_DEFAULTS.tool_call_parser, choices=TOOL_CALL_PARSERS,
+                       help="how tool_choice 'auto' finds tool calls in the model's text: hermes "
+                            "(<tool_call>{json}</tool_call>: Qwen2.5, Qwen3, Hermes), llama3_json (a JSON object "
+                            "of name and parameters: Llama 3.x), mistral ([TOOL_CALLS]); default: none, and a "
+                            "request with tool_choice 'auto' is refused ('required' and a named function need "
+                            "no parser)")
     group.add_argument("--max-body-bytes", type=int, default=SERVER_DEFAULTS.max_body_bytes,
                        help="request bodies larger than this get 413")
     group.add_argument("--api-processes", type=int, default=SERVER_DEFAULTS.api_processes, metavar="N",
@@ -119,7 +129,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         served_model_name=args.served_model_name, log_prompts=args.log_prompts,
                         log_requests=args.log_requests, drain_timeout_s=args.drain_timeout,
                         cors_origins=tuple(args.cors_origins), max_body_bytes=args.max_body_bytes,
-                        api_processes=args.api_processes, enable_docs=args.enable_docs)
+                        api_processes=args.api_processes, enable_docs=args.enable_docs,
+                        tool_call_parser=args.tool_call_parser)
 
 
 def add_debug_arg(parser: argparse.ArgumentParser) -> None:

@@ -25,8 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from roseray.chat_template import default_chat_template
 from roseray.config import ModelConfig
 from roseray.models.loader import resolve_model_path
 from roseray.models.presets import is_preset
@@ -41,19 +43,19 @@ _CLEAN_UP_PROBE = "a . b , c ! d ? e 's f n't g 're h 've i 'm j 'll k 'd"
 _UNKNOWN = object()
 
 
-def default_chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """ChatML-style text, for tokenizers that ship no chat template of their own."""
-    turns = [f"<|im_start|>{m['role']}\n{_content_text(m.get('content'))}<|im_end|>\n" for m in messages]
-    return "".join(turns) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+# arguments of transformers' apply_chat_template: a request's chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "tokenizer", "processor_kwargs"})
 
 
-def _content_text(content: Any) -> str:
-    """A message's content as text: a string, or the text parts of an OpenAI content list."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+def check_template_kwargs(template_kwargs: dict[str, Any]) -> None:
+    """ValueError naming chat_template_kwargs when one of them is an argument of the rendering itself."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server decides "
+                         f"{'it' if len(reserved) == 1 else 'them'}")
 
 
 class Tokenizer:
@@ -71,7 +73,11 @@ class Tokenizer:
         """The text of `token_ids`; `clean_up_spaces=False` leaves out `space_clean_up()`."""
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
+        """The prompt text of `messages`, with `tools` (OpenAI's shape) and the extra template
+        variables `template_kwargs` (e.g. enable_thinking) given to the chat template.
+        ValueError when the template refuses the conversation."""
         raise NotImplementedError
 
     def space_clean_up(self) -> Callable[[str], str] | None:
@@ -148,8 +154,10 @@ class ByteTokenizer(Tokenizer):
                 raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
         return out.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return default_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
+        check_template_kwargs(template_kwargs)
+        return default_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
 
 
 def ascii_of(pieces: list[bytes]) -> list[str | None]:
@@ -316,10 +324,17 @@ class HFTokenizer(Tokenizer):
             self._clean_up = self.hf.clean_up_tokenization if applied and standard else None
         return self._clean_up
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
+        check_template_kwargs(template_kwargs)
         if not self.hf.chat_template:
-            return default_chat_template(messages, add_generation_prompt)
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return default_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
+        try:
+            return self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt, **template_kwargs)
+        except (TemplateError, TypeError, AttributeError, KeyError, IndexError) as error:  # raise_exception, or a
+            # message the template cannot render (a string where it iterates an object, ...)
+            raise ValueError(f"messages cannot be rendered by the chat template: {error}") from None
 
 
 def load_tokenizer(name: str, model_config: ModelConfig, revision: str | None = None) -> Tokenizer:

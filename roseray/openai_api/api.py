@@ -22,6 +22,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -31,6 +32,8 @@ from roseray.config import ServerConfig
 from roseray.engine.outputs import RequestDelta
 from roseray.openai_api.auth import ApiKeyMiddleware
 from roseray.openai_api.body_limit import BodyLimitMiddleware
+from roseray.openai_api.chat_output import ChatOutput
+from roseray.openai_api.constraints import Constraint
 from roseray.openai_api.errors import APIError, error_body, install_error_handlers, param_of
 from roseray.openai_api.fast_routes import GenerationFastPath
 from roseray.openai_api.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
@@ -51,6 +54,7 @@ from roseray.openai_api.openapi import (
 from roseray.openai_api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from roseray.openai_api.responses import SSE_DONE, ResponseBuilder, TokenText, sse_event
 from roseray.openai_api.sse_writer import EngineSSEResponse, until_disconnect
+from roseray.openai_api.tools import NO_TOOLS, ToolPlan
 from roseray.runtime.async_engine import AsyncLLMEngine, EngineUnavailableError, QueueFullError, RequestStream
 from roseray.sampling_params import SamplingParams
 
@@ -65,7 +69,8 @@ NO_FASTAPI_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs
 REPLICA_HEADER = "x-roseray-replica"
 RETRY_AFTER_UNAVAILABLE_S = 1  # a draining or starting replica: another replica (or this one, soon) will answer
 ENGINE_ERROR_MESSAGE = "the engine failed while generating this request"
-_PARAM_NAMES = frozenset(f for f in SamplingParams.__dataclass_fields__) | {"prompt", "messages"}
+_PARAM_NAMES = (frozenset(f for f in SamplingParams.__dataclass_fields__)
+                | {"prompt", "messages", "tools", "tool_choice", "chat_template_kwargs"})
 
 # Checks a request before it may generate; returns why it is refused (503 + Retry-After:
 # in roseray's Ray app the only unticketed requests that are not attacks come from HAProxy
@@ -93,13 +98,24 @@ class ReplicaHeaderMiddleware:
         await self.app(scope, receive, send_with_header)
 
 
+class Prepared(NamedTuple):
+    """A request ready for the engine."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    plan: ToolPlan  # what becomes of a chat request's tools
+    constraint: Constraint | None  # the output's constraint and the field that asked for it
+    prompt_text: str | None  # a chat request's rendered prompt
+
+
 class OpenAIServer:
     """The route handlers; holds the engine, tokenizer and metrics of this replica."""
 
     def __init__(self, engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_len: int | None,
                  request_guard: RequestGuard | None = None, log_requests: bool = False,
                  log_prompts: bool = False, max_logprobs: int | None = None,
-                 metrics_share: MetricsShare | None = None) -> None:
+                 metrics_share: MetricsShare | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -108,6 +124,8 @@ class OpenAIServer:
         self.request_guard = request_guard
         self.log_requests = log_requests
         self.log_prompts = log_prompts  # off by default: prompts are user data
+        self.tool_call_parser = tool_call_parser  # ServerConfig's: what `tool_choice: auto` parses with
+        self.reasoning_parser = reasoning_parser  # the engine's: how the model marks its reasoning
         self.metrics = ServerMetrics(model_name, lambda: engine.stats, share=metrics_share)
         if isinstance(engine, AsyncLLMEngine):  # not a stand-in of a test
             engine.client.on_message_delay = self.metrics.message_delay.observe
@@ -148,22 +166,29 @@ class OpenAIServer:
             raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
                            param="model", code="model_not_found")
 
-    def _prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    def _prepare(self, body: CompletionRequest | ChatCompletionRequest) -> Prepared:
         """Validate the body and tokenize its prompt; every failure is a 400."""
         try:
-            params = body.to_sampling_params()
+            if isinstance(body, ChatCompletionRequest):
+                params, plan, constraint = body.plan(self.tool_call_parser)
+            else:
+                params, plan, constraint = body.to_sampling_params(), NO_TOOLS, body.constraint()
             if self.max_logprobs is not None and params.logprobs is not None and params.logprobs > self.max_logprobs:
                 name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
                 raise UnsupportedFieldError(name, f"{name} must be at most {self.max_logprobs} on this server, "
                                                   f"got {params.logprobs}")
             if isinstance(body, ChatCompletionRequest):
                 text = self.tokenizer.apply_chat_template(body.template_messages(),
-                                                          add_generation_prompt=body.add_generation_prompt)
-                return self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens), params
-            prompt = body.single_prompt()
-            if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens), params
-            return list(prompt), params
+                                                          add_generation_prompt=body.add_generation_prompt,
+                                                          tools=body.template_tools(),
+                                                          **(body.chat_template_kwargs or {}))
+                prompt_ids = self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+            else:
+                text = None
+                prompt = body.single_prompt()
+                prompt_ids = (self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
+                              if isinstance(prompt, str) else list(prompt))
+            return Prepared(prompt_ids, params, plan, constraint, text)
         except UnsupportedFieldError as error:
             raise APIError(400, str(error), param=error.param) from None
         except UnicodeError:  # a lone surrogate ("\ud800") parses as JSON but is no text
@@ -172,6 +197,15 @@ class OpenAIServer:
                            param=param) from None
         except ValueError as error:
             raise APIError(400, str(error), param=self._param(body, str(error))) from None
+
+    def _chat_output(self, body, prepared: Prepared) -> ChatOutput | None:
+        """How a chat response's text is shaped, when it is parsed at all (reasoning, tools)."""
+        if not isinstance(body, ChatCompletionRequest) or (self.reasoning_parser is None
+                                                           and not prepared.plan.parses):
+            return None
+        return ChatOutput(prepared.plan, self.tool_call_parser, self.reasoning_parser,
+                          include_reasoning=body.include_reasoning is not False, tools=body.template_tools(),
+                          prompt=prepared.prompt_text)
 
     def _check_length(self, body, prompt_ids: list[int]) -> None:
         """A prompt that fills max_model_len leaves no room for a token. The engine's own check
@@ -205,7 +239,8 @@ class OpenAIServer:
             if refusal is not None:
                 raise APIError(503, refusal, code="not_routed", headers={"Retry-After": "1"})
         self._check_model(body.model)
-        prompt_ids, params = self._prepare(body)
+        prepared = self._prepare(body)
+        prompt_ids, params = prepared.prompt_ids, prepared.params
         self._check_length(body, prompt_ids)
         is_chat = isinstance(body, ChatCompletionRequest)
         request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{self._id_prefix}{next(self._id_numbers):08x}"
@@ -221,11 +256,15 @@ class OpenAIServer:
         except EngineUnavailableError as error:
             raise APIError(503, str(error), code="unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)}) from None
-        except ValueError as error:
-            raise APIError(400, str(error), param=self._param(body, str(error))) from None
+        except ValueError as error:  # a constraint the engine cannot compile names the field that asked for it
+            param = self._param(body, str(error))
+            if prepared.constraint is not None and param in (None, "structured_outputs"):
+                param = prepared.constraint.param
+            raise APIError(400, str(error), param=param) from None
         builder = ResponseBuilder("chat" if is_chat else "completion", request_id, self.model_name, self.token_text,
                                   num_top_logprobs=params.logprobs, include_usage=body.include_usage,
-                                  continuous_usage=body.continuous_usage)
+                                  continuous_usage=body.continuous_usage,
+                                  chat_output=self._chat_output(body, prepared))
         timer = self.metrics.request_timer(arrival)
         try:
             if body.stream:
@@ -318,7 +357,8 @@ def create_app(engine: AsyncLLMEngine, config: ServerConfig, *, replica_name: st
     server = OpenAIServer(engine, llm.tokenizer, model_name=config.served_model_name or llm.model_name,
                           max_model_len=llm.max_model_len, request_guard=request_guard,
                           log_requests=config.log_requests, log_prompts=config.log_prompts,
-                          max_logprobs=llm.config.max_logprobs, metrics_share=metrics_share)
+                          max_logprobs=llm.config.max_logprobs, metrics_share=metrics_share,
+                          tool_call_parser=config.tool_call_parser, reasoning_parser=llm.config.reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

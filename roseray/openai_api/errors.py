@@ -113,6 +113,9 @@ def _validation_message(exc: RequestValidationError,
     return (f"{param}: {message}{more}" if param else f"{message}{more}"), param, None
 
 
+_NESTED_DEPTH = {"messages": 3, "structured_outputs": 2}  # where a refused field of a nested object sits
+
+
 def _refusal(errors: list[dict]) -> tuple[str, str, str] | None:
     """(message, param, code) when a field is one roseray refuses (protocol.py), or unknown.
     A refused field is named first: {"response_format": {"type": "json_schema", "json_schema":
@@ -122,8 +125,9 @@ def _refusal(errors: list[dict]) -> tuple[str, str, str] | None:
         if error.get("type") == "extra_forbidden":  # a field of the other route
             continue
         parts = path.split(".")
-        # a refused field of the body, or of one of its messages ("messages.0.tool_calls")
-        depth = 3 if parts[0] == "messages" and len(parts) > 2 else 1
+        # a refused field of the body, of one of its messages ("messages.0.x") or of its
+        # structured_outputs object ("structured_outputs.backend")
+        depth = _NESTED_DEPTH.get(parts[0], 1) if len(parts) >= _NESTED_DEPTH.get(parts[0], 1) else 1
         name = parts[depth - 1]
         if name in REFUSED_FIELDS:
             return f"{name} is not supported ({REFUSED_FIELDS[name]})", ".".join(parts[:depth]), "unsupported_field"

@@ -15,7 +15,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
-FinishReason = Literal["stop", "length", "abort", "error"]  # roseray.engine.request.FINISH_REASONS
+# roseray.engine.request.FINISH_REASONS, and "tool_calls" when a chat output made tool calls
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 
 class ErrorDetail(BaseModel):
@@ -58,9 +59,24 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the output is only tool calls (or only reasoning)
+    tool_calls: list[ToolCall] | None = None
+    # with the server's reasoning parser: the reasoning (vLLM's two names for it), unless include_reasoning is false
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -97,10 +113,27 @@ class CompletionChunk(BaseModel):
     usage: Usage | None = None  # present (null until the last chunk) with stream_options.include_usage
 
 
+class CalledFunctionDelta(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None  # on a call's first delta only
+    arguments: str | None = None  # a piece of the arguments text
+
+
+class ToolCallDelta(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    index: int
+    id: str | None = None  # id and type on a call's first delta only
+    type: Literal["function"] | None = None
+    function: CalledFunctionDelta
+
+
 class ChatDelta(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

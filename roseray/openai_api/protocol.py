@@ -4,11 +4,13 @@ Every field of OpenAI's chat and completions requests and of vLLM's extra parame
 declared here in one of three kinds (docs/request-fields.md lists them):
 - supported: honoured (OpenAI's sampling fields plus vLLM's top_k, min_p, repetition_penalty,
   ignore_eos, stop_token_ids, min_tokens, skip_special_tokens, include_stop_str_in_output,
-  add_special_tokens, add_generation_prompt);
+  add_special_tokens, add_generation_prompt; the output's constraint: response_format,
+  structured_outputs and vLLM's guided_* names (constraints.py); function tools and
+  tool_choice (tools.py); chat_template_kwargs and include_reasoning);
 - ignored (`_ignored`): accepted and dropped, only where the field cannot change the output
   (user, metadata, store, service_tier, priority, ...);
 - refused (`_refused`): roseray cannot honour it, so the schema admits only its neutral
-  value (null, false, an empty list, 1, type "text") and anything else is a 400 naming the
+  value (null, false, an empty list, 1, "auto") and anything else is a 400 naming the
   field (errors.py), so that a client never silently gets something else than it asked.
 Any other field is refused too (extra="forbid"): a typo of a known field, or a field of a
 newer API, is a 400 rather than silently ignored. The fast path (fast_routes.py) validates
@@ -25,28 +27,29 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from roseray.openai_api.constraints import (
+    BACKEND_REASON,
+    Backend,
+    Choices,
+    Constraint,
+    ResponseFormat,
+    Spec,
+    StructuredOutputsObject,
+    request_constraint,
+)
+from roseray.openai_api.field_policy import IGNORED_KEY, REFUSED_KEY, UnsupportedFieldError
+from roseray.openai_api.field_policy import ignored as _ignored
+from roseray.openai_api.field_policy import refused as _refused
+from roseray.openai_api.tools import NO_TOOLS, AssistantToolCall, Tool, ToolChoice, ToolPlan, plan_tools
 from roseray.sampling_params import MAX_LOGPROBS, MAX_PENALTY, MAX_STOP_STRINGS, SamplingParams
 
+__all__ = ["UnsupportedFieldError", "REFUSED_FIELDS", "IGNORED_FIELDS", "KNOWN_FIELDS"]
 _STRICT = ConfigDict(extra="forbid", strict=True)
-REFUSED_KEY = "x-roseray-refused"  # in a refused field's schema: why it is refused
-IGNORED_KEY = "x-roseray-ignored"  # in an ignored field's schema: true
 
 
 def _finite(default=None, **bounds):
     """A float field that refuses NaN and +-inf (Python's json module parses both)."""
     return Field(default, allow_inf_nan=False, **bounds)
-
-
-def _ignored(default=None):
-    """A field that cannot change the output: accepted (with its OpenAI or vLLM type) and dropped."""
-    return Field(default, description="Accepted and ignored: it cannot change the output.",
-                 json_schema_extra={IGNORED_KEY: True})
-
-
-def _refused(reason: str, default=None):
-    """A field roseray cannot honour: its annotation admits only the neutral value."""
-    return Field(default, description=f"Not supported ({reason}): only the value that changes nothing is "
-                                      "accepted.", json_schema_extra={REFUSED_KEY: reason})
 
 
 # The sampler works in float32, where a top_p under the smallest normal float32 rounds to 0 and
@@ -60,16 +63,7 @@ TokenId = Annotated[int, Field(ge=0)]
 EmptyList = Annotated[list[Any], Field(max_length=0)]
 EmptyObject = Annotated[dict[str, Any], Field(max_length=0)]
 
-_STRUCTURED = "structured output is not implemented"
-_TOOLS = "tool calling is not implemented"
-
-
-class UnsupportedFieldError(ValueError):
-    """A request field roseray does not implement; `param` names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+_FUNCTIONS = "the deprecated functions API is not implemented: send tools and tool_choice"
 
 
 class StreamOptions(BaseModel):
@@ -77,11 +71,6 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
     include_obfuscation: bool | None = _ignored()  # OpenAI's padding of chunks; roseray adds none
-
-
-class TextResponseFormat(BaseModel):
-    model_config = _STRICT
-    type: Literal["text"]
 
 
 class _SamplingFields(BaseModel):
@@ -126,15 +115,14 @@ class _SamplingFields(BaseModel):
     echo: Literal[False] = _refused("the prompt is not echoed", False)
     best_of: Literal[1] | None = _refused("only 1: one completion per request")
     use_beam_search: Literal[False] = _refused("beam search is not implemented", False)
-    response_format: TextResponseFormat | None = _refused(f"only type 'text': {_STRUCTURED}")
-    structured_outputs: None = _refused(_STRUCTURED)
-    guided_json: None = _refused(_STRUCTURED)
-    guided_regex: None = _refused(_STRUCTURED)
-    guided_choice: None = _refused(_STRUCTURED)
-    guided_grammar: None = _refused(_STRUCTURED)
-    structural_tag: None = _refused(_STRUCTURED)
-    guided_decoding_backend: None = _refused(_STRUCTURED)
-    guided_whitespace_pattern: None = _refused(_STRUCTURED)
+    # the output's constraint (constraints.py): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsObject | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Spec | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Spec | None = None
+    structural_tag: Spec | None = None
     bad_words: EmptyList | None = _refused("not implemented; an empty list is accepted")
     allowed_token_ids: EmptyList | None = _refused("not implemented; an empty list is accepted")
     logits_processors: EmptyList | None = _refused("custom logits processors are not implemented")
@@ -146,9 +134,16 @@ class _SamplingFields(BaseModel):
     cache_salt: None = _refused("the prefix cache is shared by all requests")
     kv_transfer_params: None = _refused("KV transfer is not implemented")
     vllm_xargs: EmptyObject | None = _refused("no extra arguments are read")
+    guided_decoding_backend: Backend | None = _refused(BACKEND_REASON)
+    guided_whitespace_pattern: None = _refused("the JSON grammar's whitespace is fixed")
 
-    def _common_params(self) -> dict[str, Any]:
+    def constraint(self) -> Constraint | None:
+        """The request's constraint on the output (a 400 when it names more than one)."""
+        return request_constraint(self)
+
+    def _common_params(self, constraint: Constraint | None) -> dict[str, Any]:
         params: dict[str, Any] = dict(
+            structured_outputs=constraint.structured_outputs if constraint is not None else None,
             n=self.n, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
@@ -189,7 +184,8 @@ class CompletionRequest(_SamplingFields):
         return prompt
 
     def to_sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs, **self._common_params())
+        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
+                              **self._common_params(self.constraint()))
 
 
 class ContentPart(BaseModel):
@@ -199,14 +195,16 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message. Its other OpenAI fields (tool_call_id, refusal, ...) are accepted and not
-    passed to the chat template; an assistant message's tool calls are refused."""
+    """One message. Role, text content, name, an assistant's tool calls, a tool result's
+    tool_call_id and an assistant's earlier reasoning_content reach the chat template; its
+    other OpenAI fields (refusal, ...) are accepted and left out."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # passed to the chat template (most templates leave it out)
-    tool_calls: EmptyList | None = _refused(f"{_TOOLS}; an empty list is accepted")
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's calls (the conversation's history)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -220,6 +218,19 @@ class ChatMessage(BaseModel):
             parts.append(part.text)
         return "".join(parts)
 
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        reasoning = (self.model_extra or {}).get("reasoning_content")
+        if isinstance(reasoning, str):
+            message["reasoning_content"] = reasoning
+        return message
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -229,16 +240,17 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM extra
     add_special_tokens: bool = False  # vLLM extra: the chat template already holds any BOS the model wants
+    # function tools (tools.py): rendered by the chat template; tool_choice says what becomes of them
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: a required choice makes one call
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: more variables of the chat template
+    include_reasoning: bool | None = None  # vLLM: false leaves the reasoning out of the response
 
-    parallel_tool_calls: bool | None = _ignored()  # without tools (refused) it changes nothing
     prediction: dict[str, Any] | None = _ignored()  # predicted output: a latency hint, the output is the same
-    include_reasoning: bool | None = _ignored()  # vLLM: roseray has no reasoning parser to split text with
 
-    tools: EmptyList | None = _refused(f"{_TOOLS}; an empty list is accepted")
-    tool_choice: Literal["none", "auto"] | None = _refused(f"{_TOOLS}; 'none' and 'auto' (without tools) are "
-                                                           "accepted")
-    functions: EmptyList | None = _refused(_TOOLS)
-    function_call: Literal["none", "auto"] | None = _refused(_TOOLS)
+    functions: EmptyList | None = _refused(_FUNCTIONS)
+    function_call: Literal["none", "auto"] | None = _refused(_FUNCTIONS)
     audio: None = _refused("only text output")
     modalities: list[Literal["text"]] | None = _refused("only ['text']")
     reasoning_effort: None = _refused("reasoning controls are not implemented")
@@ -246,21 +258,34 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: None = _refused("web search is not implemented")
     continue_final_message: Literal[False] = _refused("the final message is not continued", False)
     chat_template: None = _refused("only the model's own chat template is used")
-    chat_template_kwargs: EmptyObject | None = _refused("the chat template takes no extra arguments")
     documents: None = _refused("documents are not passed to the chat template")
     mm_processor_kwargs: None = _refused("only text input")
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template takes them: role, plain-text content and name."""
-        return [{"role": m.role, "content": m.text()} if m.name is None
-                else {"role": m.role, "content": m.text(), "name": m.name} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template takes them (ChatMessage.for_template)."""
+        return [m.for_template() for m in self.messages]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as HF chat templates take them: OpenAI's shape."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools]
+
+    def to_sampling_params(self, tool_call_parser: str | None = None) -> SamplingParams:
+        return self.plan(tool_call_parser)[0]
+
+    def plan(self, tool_call_parser: str | None = None) -> tuple[SamplingParams, ToolPlan, Constraint | None]:
+        """The request's SamplingParams, what becomes of its tools and its constraint (the
+        tools' grammar, for a required or named tool_choice)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedFieldError("top_logprobs", "top_logprobs needs logprobs=true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._common_params())
+        constraint = self.constraint()
+        tool_plan, constraint = (NO_TOOLS, constraint) if self.tools is None and self.tool_choice is None else \
+            plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, tool_call_parser, constraint)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._common_params(constraint))
+        return params, tool_plan, constraint
 
 
 def _marked(key: str, *models: type[BaseModel]) -> dict[str, Any]:
@@ -270,7 +295,8 @@ def _marked(key: str, *models: type[BaseModel]) -> dict[str, Any]:
 
 
 # field name -> why roseray refuses it (errors.py words a refused field's 400 with it)
-REFUSED_FIELDS: dict[str, str] = _marked(REFUSED_KEY, CompletionRequest, ChatCompletionRequest, ChatMessage)
+REFUSED_FIELDS: dict[str, str] = _marked(REFUSED_KEY, CompletionRequest, ChatCompletionRequest, ChatMessage,
+                                         StructuredOutputsObject)
 IGNORED_FIELDS: frozenset[str] = frozenset(_marked(IGNORED_KEY, CompletionRequest, ChatCompletionRequest,
                                                    StreamOptions))
 # every field a generation request may name, on either route (for "did you mean" hints)

@@ -14,6 +14,7 @@ from functools import lru_cache
 from json.encoder import encode_basestring  # the C string encoder json.dumps uses (ensure_ascii=False)
 
 from roseray.engine.outputs import RequestDelta
+from roseray.openai_api.chat_output import ChatOutput
 
 SSE_DONE = b"data: [DONE]\n\n"
 # json.dumps with any option builds a new JSONEncoder per call; every request's first and last events pay that
@@ -43,11 +44,13 @@ class TokenText:
 
 
 class ResponseBuilder:
-    """Builds one request's response bodies; `kind` is "completion" or "chat"."""
+    """Builds one request's response bodies; `kind` is "completion" or "chat". A chat
+    request whose output is parsed (reasoning, tool calls) has a ChatOutput: its text goes
+    through that, off the plain path."""
 
     def __init__(self, kind: str, request_id: str, model: str, token_text: TokenText, *,
                  num_top_logprobs: int | None = None, include_usage: bool = False,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, chat_output: ChatOutput | None = None) -> None:
         self.kind = kind
         self.request_id = request_id
         self.model = model
@@ -58,10 +61,12 @@ class ResponseBuilder:
         self.continuous_usage = continuous_usage and include_usage
         self.text_offset = 0  # completions' logprobs.text_offset
         self.sent_role = kind != "chat"  # a chat stream opens with the assistant role
+        self.chat_output = chat_output
+        self._parsed = chat_output.stream() if chat_output is not None else None  # used when streaming
         # The common event (new text, not the last, no logprobs, no running usage) is this
         # prefix + the JSON string of the text + this suffix: no dict, no json.dumps.
         self._text_event = None
-        if num_top_logprobs is None and not self.continuous_usage:
+        if num_top_logprobs is None and not self.continuous_usage and chat_output is None:
             marker = "\x00MARK\x00"
             choice = ({"index": 0, "delta": {"content": marker}, "logprobs": None, "finish_reason": None}
                       if kind == "chat" else {"index": 0, "text": marker, "logprobs": None, "finish_reason": None})
@@ -126,6 +131,8 @@ class ResponseBuilder:
             events.append(sse_event(self._chunk(
                 [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
                 None, self.include_usage)))
+        if self._parsed is not None:
+            return self._parsed_chunks(deltas, events)
         templated = self._text_event is not None
         for delta in deltas:
             if templated and delta.new_text and not delta.finished:
@@ -145,6 +152,24 @@ class ResponseBuilder:
             events.append(sse_event(self._chunk([choice], running_usage, self.include_usage)))
         return b"".join(events)
 
+    def _parsed_chunks(self, deltas: Sequence[RequestDelta], events: list[bytes]) -> bytes:
+        """stream_chunks of a request with a ChatOutput: its deltas carry reasoning, content and
+        tool calls as the parsers find them; the last one says "tool_calls" when calls were made."""
+        parsed = self._parsed
+        for delta in deltas:
+            body = parsed.feed(delta.new_text) if delta.new_text else {}
+            finish = None
+            if delta.finished:
+                finish = parsed.finish(delta.finish_reason, body)
+            logprobs = self.logprobs(delta.new_token_ids, delta.new_logprobs)
+            if not body and not delta.finished and logprobs is None:
+                continue  # a parser holds the text back (a tag may be starting)
+            running_usage = (usage(delta.num_prompt_tokens, delta.num_output_tokens)
+                             if self.continuous_usage else None)
+            choice = {"index": 0, "delta": body, "logprobs": logprobs, "finish_reason": finish}
+            events.append(sse_event(self._chunk([choice], running_usage, self.include_usage)))
+        return b"".join(events)
+
     def stream_end(self, last: RequestDelta | None) -> bytes:
         events = []
         if self.include_usage and last is not None:
@@ -159,8 +184,11 @@ class ResponseBuilder:
         finish = last.finish_reason
         lp = self.logprobs(token_ids, logprobs) if logprobs is not None else None
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                      "finish_reason": finish, "stop_reason": last.request.stop_reason}
+            message = {"role": "assistant", "content": text}
+            if self.chat_output is not None:
+                message, finish = self.chat_output.message(text, finish)
+            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish,
+                      "stop_reason": last.request.stop_reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish,

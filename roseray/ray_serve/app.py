@@ -251,6 +251,7 @@ class AppArgs(BaseModel):
     log_requests: bool = _SERVER.log_requests
     log_prompts: bool = _SERVER.log_prompts
     enable_docs: bool = _SERVER.enable_docs
+    tool_call_parser: str | None = _SERVER.tool_call_parser  # what tool_choice "auto" parses with (--tool-call-parser)
     ticket_secret: str | None = None  # shared by Router and Engine; random per build when unset
     router: RouterArgs = Field(default_factory=RouterArgs)
 
@@ -265,7 +266,8 @@ class AppArgs(BaseModel):
                             cors_origins=tuple(self.cors_origins), max_body_bytes=self.max_body_bytes,
                             drain_timeout_s=self.drain_timeout_s, stuck_after_s=self.stuck_after_s,
                             log_requests=self.log_requests, log_prompts=self.log_prompts,
-                            enable_docs=self.enable_docs, api_processes=api_processes)
+                            enable_docs=self.enable_docs, api_processes=api_processes,
+                            tool_call_parser=self.tool_call_parser)
 
 
 def _placement(args: AppArgs) -> tuple[int, float]:

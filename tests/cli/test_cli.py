@@ -59,11 +59,12 @@ def test_serve_builds_one_server_config(monkeypatch):
     monkeypatch.setenv("ROSERAY_API_KEY", "k")
     assert cli.main(["serve", "--port", "9", "--model", "random:tiny", "--drain-timeout", "2.5", "--cors-origin",
                      "https://a.example", "--cors-origin", "https://b.example", "--log-requests",
-                     "--max-body-bytes", "1000", "--no-docs"]) == 0
-    assert called["engine"] == EngineConfig(model="random:tiny")
+                     "--max-body-bytes", "1000", "--no-docs", "--tool-call-parser", "hermes",
+                     "--reasoning-parser", "qwen3"]) == 0
+    assert called["engine"] == EngineConfig(model="random:tiny", reasoning_parser="qwen3")
     assert called["server"] == ServerConfig(port=9, api_key="k", drain_timeout_s=2.5, log_requests=True,
                                             cors_origins=("https://a.example", "https://b.example"),
-                                            max_body_bytes=1000, enable_docs=False)
+                                            max_body_bytes=1000, enable_docs=False, tool_call_parser="hermes")
     monkeypatch.setattr("roseray.openai_api.api_processes.run_api_processes",
                         lambda engine_config, config: called.update(engine=engine_config, server=config) or 0)
     assert cli.main(["serve", "--api-processes", "3", "--no-engine-process"]) == 0
@@ -124,6 +125,8 @@ def test_top_level_help_lists_the_subcommands():
     (["generate", "--prompt", "x", "--block-size", "3"], "--block-size must be a positive power of two"),
     (["generate"], "the following arguments are required: --prompt"),
     (["generate", "--prompt", "x", "--trust-remote-code"], "--trust-remote-code is not supported"),
+    (["serve", "--reasoning-parser", "r2"], "--reasoning-parser must be one of qwen3, deepseek_r1"),
+    (["serve", "--tool-call-parser", "xml"], "argument --tool-call-parser: invalid choice: 'xml'"),
 ])
 def test_usage_errors_exit_2_under_the_subcommands_usage(argv, message):
     out = roseray(*argv)

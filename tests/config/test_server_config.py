@@ -69,15 +69,18 @@ def test_the_pipe_refuses_settings_it_does_not_know():
 
 def test_ray_app_args_build_the_server_config():
     args = AppArgs(served_model_name="m", api_key="k", cors_origins=["https://a.example"], max_body_bytes=10,
-                   drain_timeout_s=3, stuck_after_s=7, log_requests=True, log_prompts=True)
+                   drain_timeout_s=3, stuck_after_s=7, log_requests=True, log_prompts=True, tool_call_parser="mistral")
     assert args.server_config(api_processes=2) == ServerConfig(
         served_model_name="m", api_key="k", cors_origins=("https://a.example",), max_body_bytes=10,
-        drain_timeout_s=3, stuck_after_s=7, log_requests=True, log_prompts=True, api_processes=2)
+        drain_timeout_s=3, stuck_after_s=7, log_requests=True, log_prompts=True, api_processes=2,
+        tool_call_parser="mistral")
     assert AppArgs().server_config(api_processes=1) == ServerConfig()  # the same defaults
     with pytest.raises(ValidationError, match="drain_timeout_s must be >= 0"):  # ServerConfig's check, at parse
         AppArgs(drain_timeout_s=-1)
     with pytest.raises(ValidationError, match="max_body_bytes must be at least 1"):
         AppArgs(max_body_bytes=0)
+    with pytest.raises(ValidationError, match="tool_call_parser must be one of hermes, llama3_json, mistral"):
+        AppArgs(tool_call_parser="xml")
 
 
 def test_trust_remote_code_is_refused_with_the_reason():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -116,3 +118,60 @@ def test_hf_wrapper_falls_back_to_the_default_chat_template(tiny_dir):
 def test_missing_tokenizer_directory_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(str(tmp_path / "absent"), preset_config("random:tiny"))
+
+
+# ---- tools, tool calls and template variables ------------------------------------------------------------------
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": CITY}}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+HISTORY = [{"role": "user", "content": "weather in Paris?"},
+           {"role": "assistant", "content": "", "tool_calls": [CALL]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+# a template that iterates a call's arguments as an object (as Llama 3's and Hermes' templates do); transformers
+# renders with trim_blocks, so the newline after a block tag is dropped
+TOOLS_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %} CALL {{ c['function']['name'] }}"
+    "{% for k, v in c['function']['arguments'].items() %} {{ k }}={{ v }}{% endfor %}{% endfor %}"
+    "{% if m.get('tool_call_id') %} (for {{ m['tool_call_id'] }}){% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% if enable_thinking is false %}<nothink>{% endif %}{% endif %}"
+)
+
+
+def test_the_default_template_renders_tools_calls_and_results(byte_tokenizer):
+    text = byte_tokenizer.apply_chat_template([{"role": "system", "content": "be brief"}, *HISTORY], tools=TOOLS)
+    system = text[:text.index("<|im_end|>")]
+    assert system.startswith("<|im_start|>system\nbe brief\n\n# Tools") and text.count("<|im_start|>system") == 1
+    assert json.dumps(TOOLS[0]) in system and "<tool_call>" in system  # the tools, and how to call them
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call><|im_end|>\n") in text
+    assert text.endswith("<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n")
+    no_system = byte_tokenizer.apply_chat_template(HISTORY, tools=TOOLS)
+    assert no_system.startswith("<|im_start|>system\n# Tools")
+    assert byte_tokenizer.apply_chat_template(MESSAGES, tools=None) == default_chat_template(MESSAGES)
+
+
+def test_the_default_template_reads_enable_thinking_and_ignores_other_variables(byte_tokenizer):
+    plain = byte_tokenizer.apply_chat_template(MESSAGES)
+    assert byte_tokenizer.apply_chat_template(MESSAGES, enable_thinking=False) == plain + "<think>\n\n</think>\n\n"
+    assert byte_tokenizer.apply_chat_template(MESSAGES, enable_thinking=True, custom=[1]) == plain
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set tokenize"):
+        byte_tokenizer.apply_chat_template(MESSAGES, tokenize=True)
+
+
+def test_an_hf_template_gets_the_tools_the_calls_and_its_variables(tiny_dir):
+    tokenizer = load_tokenizer(str(tiny_dir), load_model_config(str(tiny_dir)))
+    tokenizer.hf.chat_template = TOOLS_TEMPLATE
+    text = tokenizer.apply_chat_template(HISTORY, tools=TOOLS, enable_thinking=False)
+    assert text == ("TOOLS:[get_weather]user:weather in Paris?assistant: CALL get_weather city=Paris"
+                    "tool:sunny (for call_1)assistant:<nothink>")
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set return_dict, tokenize"):
+        tokenizer.apply_chat_template(HISTORY, tokenize=True, return_dict=True)
+
+
+def test_a_template_that_refuses_the_conversation_is_a_value_error(tiny_dir):
+    tokenizer = load_tokenizer(str(tiny_dir), load_model_config(str(tiny_dir)))
+    tokenizer.hf.chat_template = "{{ raise_exception('no user message') }}"
+    with pytest.raises(ValueError, match="messages cannot be rendered by the chat template: no user message"):
+        tokenizer.apply_chat_template(MESSAGES)

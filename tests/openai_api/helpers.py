@@ -44,7 +44,8 @@ def serving(config: EngineConfig, step_delay_s: float = 0.0, request_guard=None,
     assert server.started, "uvicorn did not start"
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, engine=engine, tokenizer=llm.tokenizer)
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, engine=engine, tokenizer=llm.tokenizer,
+                              app=app)
     finally:
         server.should_exit = True
         thread.join(15)

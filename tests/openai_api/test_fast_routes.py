@@ -108,7 +108,7 @@ def test_unknown_and_refused_fields_are_left_to_fastapi_to_refuse():
     (protocol.py) is never served here: FastAPI answers its 400."""
     inner, server = Inner(), FakeServer()
     app = GenerationFastPath(inner, server)
-    for extra in ({"temprature": 0.5}, {"guided_json": {"type": "object"}}, {"echo": True}):
+    for extra in ({"temprature": 0.5}, {"guided_decoding_backend": "outlines"}, {"echo": True}):
         body = json.dumps({"model": "m", "prompt": "hi", **extra}).encode()
         assert call(app, "/v1/completions", body) == (200, {"ok": "fastapi"}), extra
     chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{}]}).encode()

@@ -130,8 +130,10 @@ CHAT_CASES = [
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "logprobs=true"),
     ({"messages": CHAT, "n": 3}, "n", "less than or equal to 1"),
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "text"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function", "missing"),
+    ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format", "json_schema"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "'g'"),
 ]
 
 

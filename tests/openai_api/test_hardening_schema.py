@@ -14,6 +14,8 @@ failure prints a curl command that reproduces it.
 
 import asyncio
 import collections
+import contextlib
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -54,6 +56,8 @@ class Target:
         self.app = create_app(self.engine, ServerConfig(drain_timeout_s=1.0))
         self.requests = collections.Counter()
         self.statuses = collections.Counter()
+        self.fields = collections.Counter()  # top-level fields of the generation bodies sent
+        self.served_fields = collections.Counter()  # of those that were answered with a 200
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -64,13 +68,26 @@ class Target:
                 if kind == "shutdown":
                     return
         self.requests[scope["method"], scope["path"]] += 1
+        body = bytearray()
+
+        async def reading_receive():
+            message = await receive()
+            body.extend(message.get("body", b""))
+            return message
 
         async def counting_send(message) -> None:
             if message["type"] == "http.response.start":
                 self.statuses[message["status"]] += 1
+                if scope["path"].endswith("completions"):
+                    with contextlib.suppress(ValueError):
+                        fields = json.loads(body)
+                        names = list(fields) if isinstance(fields, dict) else []
+                        self.fields.update(names)
+                        if message["status"] == 200:
+                            self.served_fields.update(names)
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        await self.app(scope, reading_receive, counting_send)
 
 
 class LazyTarget:
@@ -114,6 +131,11 @@ def test_after_the_fuzzing_the_engine_is_intact_and_serves(target):
     assert total >= 500 and generation >= 300, target.requests  # a few hundred cases, most of them generation
     assert target.statuses[200] >= 50 and target.statuses[400] >= 200, target.statuses  # both kinds were sent
     assert not any(status >= 500 for status in target.statuses), target.statuses
+    # the agent API's fields were among the requests (most generated specs do not compile: 400s)
+    agent_fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                    "guided_grammar", "structural_tag", "tools", "tool_choice", "chat_template_kwargs")
+    assert all(target.fields[name] >= 5 for name in agent_fields), target.fields
+    assert sum(target.served_fields[name] for name in agent_fields) >= 10, target.served_fields
 
     counts = asyncio.run(target.engine.check_integrity())  # on the engine's own thread, between steps
     assert counts["num_free_blocks"] == counts["num_total_blocks"] and counts["num_running"] == 0

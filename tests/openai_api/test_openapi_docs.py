@@ -63,7 +63,7 @@ def test_the_schema_states_400_not_422_and_the_refused_fields(client):
         assert {"200", "400", "401", "404", "413", "429", "500", "503"} <= set(responses)
         assert "itemSchema" in responses["200"]["content"]["text/event-stream"]
     fields = schema["components"]["schemas"]["CompletionRequest"]["properties"]
-    assert REFUSED_KEY in fields["guided_json"] and fields["guided_json"]["type"] == "null"
+    assert REFUSED_KEY in fields["guided_whitespace_pattern"] and fields["guided_whitespace_pattern"]["type"] == "null"
     assert REFUSED_KEY not in fields["temperature"]
 
 

@@ -36,7 +36,7 @@ VOCAB = 512  # random:tiny's
 
 @pytest.fixture(scope="module")
 def server():
-    with serving(EngineConfig(model="random:tiny", num_kv_blocks=64, max_model_len=128, max_num_seqs=8)) as s:
+    with serving(EngineConfig(model="random:tiny", num_kv_blocks=64, max_model_len=1024, max_num_seqs=8)) as s:
         yield s
 
 
@@ -83,6 +83,13 @@ SUPPORTED = {
     "logprobs": (COMPLETIONS, lambda text: {}, lambda text: {"logprobs": 1}),
     "top_logprobs": (CHAT, lambda text: {"logprobs": True}, lambda text: {"top_logprobs": 2}),
     "add_generation_prompt": (CHAT, lambda text: {}, lambda text: {"add_generation_prompt": False}),
+    "chat_template_kwargs": (CHAT, lambda text: {}, lambda text: {"chat_template_kwargs": {"enable_thinking": False}}),
+    "tools": (CHAT, lambda text: {"tool_choice": "none"}, lambda text: {"tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}),
+    # these constrain the output: they hold once the engine enforces structured outputs
+    "guided_choice": (COMPLETIONS, lambda text: {}, lambda text: {"guided_choice": ["yes", "no"]}),
+    "response_format": (CHAT, lambda text: {}, lambda text: {"response_format": {"type": "json_object"}}),
+    "structured_outputs": (COMPLETIONS, lambda text: {}, lambda text: {"structured_outputs": {"regex": "ab+"}}),
 }
 
 
@@ -122,7 +129,7 @@ IGNORED = {  # a value of each, as an OpenAI or vLLM client sends it
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "priority": 3, "request_id": "r-1",
     "length_penalty": 0.5,
     "include_obfuscation": None,  # inside stream_options: see below
-    "parallel_tool_calls": False, "prediction": {"type": "content", "content": "hello"}, "include_reasoning": False,
+    "prediction": {"type": "content", "content": "hello"},
 }
 CHAT_ONLY = set(ChatCompletionRequest.model_fields) - set(CompletionRequest.model_fields)
 
@@ -142,14 +149,7 @@ def test_ignored_fields_are_accepted_and_change_nothing(client, route, way):
 
 # ---- refused fields: 400 naming the field, unless the value changes nothing ------------------------------
 REFUSED = {  # field: (a value roseray cannot honour, its neutral value)
-    "response_format": ({"type": "json_object"}, {"type": "text"}),
-    "structured_outputs": ({"json": {"type": "object"}}, None),
-    "guided_json": ({"type": "object"}, None),
-    "guided_regex": ("[a-z]+", None),
-    "guided_choice": (["yes", "no"], None),
-    "guided_grammar": ("root ::= 'a'", None),
-    "structural_tag": ('{"type": "structural_tag"}', None),
-    "guided_decoding_backend": ("xgrammar", None),
+    "guided_decoding_backend": ("outlines", "xgrammar"),
     "guided_whitespace_pattern": (" ", None),
     "logit_bias": ({"5": 100}, {}),
     "echo": (True, False),
@@ -168,8 +168,6 @@ REFUSED = {  # field: (a value roseray cannot honour, its neutral value)
     "vllm_xargs": ({"k": 1}, {}),
     "suffix": ("the end", ""),
     "prompt_embeds": ("AAAA", None),
-    "tools": ([{"type": "function", "function": {"name": "f"}}], []),
-    "tool_choice": ("required", "none"),
     "functions": ([{"name": "f"}], None),
     "function_call": ({"name": "f"}, "auto"),
     "audio": ({"voice": "alloy", "format": "wav"}, None),
@@ -179,12 +177,15 @@ REFUSED = {  # field: (a value roseray cannot honour, its neutral value)
     "web_search_options": ({}, None),
     "continue_final_message": (True, False),
     "chat_template": ("{{ messages }}", None),
-    "chat_template_kwargs": ({"enable_thinking": False}, {}),
     "documents": ([{"text": "d"}], None),
     "mm_processor_kwargs": ({"fps": 1}, None),
-    "tool_calls": ([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}], []),
+    # keys of the structured_outputs object
+    "backend": ("guidance", "auto"),
+    "whitespace_pattern": (r"[ ]?", None),
+    "disable_any_whitespace": (True, False),
+    "disable_additional_properties": (True, False),
 }
-MESSAGE_FIELDS = {"tool_calls"}
+STRUCTURED_OUTPUTS_FIELDS = {"backend", "whitespace_pattern", "disable_any_whitespace", "disable_additional_properties"}
 
 
 def test_the_table_covers_every_refused_field():
@@ -192,17 +193,20 @@ def test_the_table_covers_every_refused_field():
 
 
 def routes_of(field: str) -> list[str]:
-    if field in MESSAGE_FIELDS:
-        return [CHAT]
+    if field in STRUCTURED_OUTPUTS_FIELDS:
+        return [COMPLETIONS, CHAT]
     return [route for route, model in ((COMPLETIONS, CompletionRequest), (CHAT, ChatCompletionRequest))
             if field in model.model_fields]
 
 
 def with_field(route: str, field: str, value) -> dict:
-    if field in MESSAGE_FIELDS:
-        return {"messages": [{"role": "user", "content": "hi"},
-                             {"role": "assistant", "content": None, field: value}]}
+    if field in STRUCTURED_OUTPUTS_FIELDS:
+        return {"structured_outputs": {"json_object": True, field: value}}
     return {field: value}
+
+
+def param_of_field(field: str) -> str:
+    return f"structured_outputs.{field}" if field in STRUCTURED_OUTPUTS_FIELDS else field
 
 
 @pytest.mark.parametrize("way", PATHS)
@@ -211,8 +215,7 @@ def test_a_refused_field_is_400_naming_it(client, field, way):
     for route in routes_of(field):
         body = {**BASE[route], **with_field(route, field, REFUSED[field][0])}
         error = assert_openai_error(post(client, route, body, way), 400)
-        param = "messages.1.tool_calls" if field in MESSAGE_FIELDS else field
-        assert error["param"] == param and error["code"] == "unsupported_field", error
+        assert error["param"] == param_of_field(field) and error["code"] == "unsupported_field", error
         assert error["message"].startswith(f"{field} is not supported (") and "\n" not in error["message"], error
 
 
@@ -220,7 +223,7 @@ def test_a_refused_field_is_400_naming_it(client, field, way):
 @pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
 def test_the_neutral_value_of_every_refused_field_is_accepted(client, route, way):
     neutral = {field: values[1] for field, values in REFUSED.items()
-               if route in routes_of(field) and field not in MESSAGE_FIELDS}
+               if route in routes_of(field) and field not in STRUCTURED_OUTPUTS_FIELDS}
     assert choice(client, route, neutral, way) == choice(client, route, {}, way)
 
 
@@ -241,10 +244,11 @@ def test_an_unknown_field_is_400_naming_it(client, route, extra, param, hint, wa
 
 
 @pytest.mark.parametrize("extra,param,more", [
-    ({"max_tokens": "many", "guided_json": {"type": "object"}}, "guided_json", 1),  # refused before invalid
-    ({"temprature": 1.0, "guided_json": {"type": "object"}}, "guided_json", 1),  # refused before unknown
+    ({"max_tokens": "many", "guided_decoding_backend": "outlines"}, "guided_decoding_backend", 1),  # refused first
+    ({"temprature": 1.0, "guided_decoding_backend": "outlines"}, "guided_decoding_backend", 1),  # before unknown
     ({"max_tokens": "many", "temprature": 1.0}, "temprature", 1),  # unknown before invalid
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format", 0),
+    # a refused key of the structured_outputs object, not an invalid structured_outputs
+    ({"structured_outputs": {"regex": "a+", "backend": "outlines"}}, "structured_outputs.backend", 0),
 ])
 def test_a_refused_field_is_named_first_then_an_unknown_one(client, extra, param, more):
     error = assert_openai_error(post(client, CHAT, {**BASE[CHAT], **extra}, "fast path"), 400, param)

@@ -95,7 +95,7 @@ def test_logprobs_completion_and_chat(client):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                               "top_logprobs": 99}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "tools"),
+     "tools.0.function"),
 ])
 def test_invalid_requests_are_400_in_openai_shape(client, path, body, param):
     error = assert_openai_error(client.post(path, json=body), 400, param)

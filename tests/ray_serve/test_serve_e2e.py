@@ -7,10 +7,12 @@ module starts (a test before may have replaced a replica)."""
 
 import asyncio
 import collections
+import json
 import socket
 import time
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.conftest import RAY_STATS_PERIOD_S as STATS_PERIOD_S
@@ -43,6 +45,31 @@ def test_openai_client_chat_and_completion_through_the_router(cluster):
     chat = client.chat.completions.create(model="random:tiny", messages=[{"role": "user", "content": "x"}],
                                           max_tokens=3, extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 3
+
+
+def test_tool_choice_required_and_a_json_schema_through_the_router(cluster):
+    """The agent API through HAProxy, the Router and an engine replica: the grammar makes the
+    random model's outputs valid."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster["url"] + "/v1", api_key="unused", max_retries=0)
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                  "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    completion = client.chat.completions.create(model="random:tiny", messages=messages, tools=tools,
+                                                tool_choice="required", parallel_tool_calls=False, max_tokens=200,
+                                                temperature=0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
+    answer = client.chat.completions.create(model="random:tiny", messages=messages, max_tokens=200, temperature=0,
+                                            response_format={"type": "json_schema", "json_schema": {
+                                                "name": "weather", "schema": parameters}})
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), parameters)
 
 
 def test_a_burst_is_spread_over_both_replicas(cluster):
