@@ -68,7 +68,7 @@ class StructuredOutputsObject(BaseModel):
     json_object: bool | None = None
     structural_tag: Spec | None = None
     disable_fallback: bool = False  # roseray has one backend and never falls back: either value holds
-    disable_any_whitespace: Literal[False] = refused("the JSON grammar allows whitespace between tokens", False)
+    disable_any_whitespace: bool = False  # True: JSON without free whitespace (json, json_object)
     disable_additional_properties: Literal[False] = refused("a schema's additionalProperties is kept as written",
                                                             False)
     whitespace_pattern: None = refused("the JSON grammar's whitespace is fixed")
@@ -83,14 +83,14 @@ class Constraint:
     structured_outputs: StructuredOutputs
 
 
-def _json_schema(param: str, schema: dict[str, Any] | str) -> StructuredOutputs:
+def _json_schema(param: str, schema: dict[str, Any] | str, any_whitespace: bool = True) -> StructuredOutputs:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except ValueError as error:
             raise UnsupportedFieldError(param, f"{param}: the JSON schema is not valid JSON ({error})") from None
     check_schema(param, schema)
-    return StructuredOutputs.json_schema(schema)
+    return StructuredOutputs.json_schema(schema, any_whitespace)
 
 
 def check_schema(param: str, schema: Any) -> None:
@@ -109,8 +109,9 @@ def check_schema(param: str, schema: Any) -> None:
 def _of_object(obj: StructuredOutputsObject) -> list[tuple[str, StructuredOutputs]]:
     param = "structured_outputs"
     found = []
+    any_whitespace = not obj.disable_any_whitespace
     if obj.json_ is not None:
-        found.append(("structured_outputs.json", _json_schema(param, obj.json_)))
+        found.append(("structured_outputs.json", _json_schema(param, obj.json_, any_whitespace)))
     if obj.regex is not None:
         found.append(("structured_outputs.regex", StructuredOutputs("regex", obj.regex)))
     if obj.choice is not None:
@@ -118,7 +119,8 @@ def _of_object(obj: StructuredOutputsObject) -> list[tuple[str, StructuredOutput
     if obj.grammar is not None:
         found.append(("structured_outputs.grammar", StructuredOutputs("grammar", obj.grammar)))
     if obj.json_object:
-        found.append(("structured_outputs.json_object", StructuredOutputs("json_object")))
+        found.append(("structured_outputs.json_object", StructuredOutputs("json_object",
+                                                                          any_whitespace=any_whitespace)))
     if obj.structural_tag is not None:
         found.append(("structured_outputs.structural_tag", StructuredOutputs("structural_tag", obj.structural_tag)))
     if not found:

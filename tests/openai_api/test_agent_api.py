@@ -187,6 +187,9 @@ def test_json_schema_outputs_validate(http, route, fields, sampling):
     ({"guided_grammar": 'root ::= ("ab" | "cd")+ "."'}, lambda t: re.fullmatch("(ab|cd)+[.]", t)),
     ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
     ({"structured_outputs": {"json_object": True}}, lambda t: isinstance(json.loads(t), dict)),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"k": {"enum": ["v"]}}, "required": ["k"],
+                                      "additionalProperties": False}, "disable_any_whitespace": True}},
+     lambda t: t == '{"k": "v"}'),  # no free whitespace: the fixed separators only
 ])
 def test_regex_choice_and_grammar_outputs_match(http, fields, valid, stream):
     response = http.post(COMPLETIONS, json={"prompt": "answer:", "max_tokens": MAX_TOKENS, "temperature": 1.0,

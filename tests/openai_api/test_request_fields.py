@@ -182,10 +182,9 @@ REFUSED = {  # field: (a value roseray cannot honour, its neutral value)
     # keys of the structured_outputs object
     "backend": ("guidance", "auto"),
     "whitespace_pattern": (r"[ ]?", None),
-    "disable_any_whitespace": (True, False),
     "disable_additional_properties": (True, False),
 }
-STRUCTURED_OUTPUTS_FIELDS = {"backend", "whitespace_pattern", "disable_any_whitespace", "disable_additional_properties"}
+STRUCTURED_OUTPUTS_FIELDS = {"backend", "whitespace_pattern", "disable_additional_properties"}
 
 
 def test_the_table_covers_every_refused_field():
