@@ -45,11 +45,13 @@ class ForwardStep:
     """A step whose forward is launched and whose sampling is not (yet)."""
 
     batch: SchedulerOutput
-    logits: object  # [len(sampling), vocab] on the device
-    argmax: object  # the logits' argmax when the forward computed it, else None
+    logits: torch.Tensor  # [len(sampling), vocab] on the device
+    argmax: torch.Tensor | None  # the logits' argmax when the forward computed it
     sampling: list[Request]
     chunks: list[Request]
+    output_index: list[int]  # where each sampled token goes in its request's output
     constrained: bool  # some sampling request has a grammar: its mask needs the previous step's tokens
+    grammar_mask: tuple[torch.Tensor, list[int]] | None = None  # (bitmask, rows), filled before sampling
 
 
 class LLMEngine:
@@ -87,6 +89,7 @@ class LLMEngine:
         self.last_error: BaseException | None = None
         self.overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self._in_flight: InFlightStep | None = None
+        self._held: ForwardStep | None = None  # a constrained step's forward, its sampling held to the next step
         self._num_penalty_requests = 0  # running requests whose sampling needs host-side history
         self._num_not_plain_greedy = 0  # requests that need more than an argmax of the logits
         self.prompt_tokens_total = 0
@@ -165,11 +168,13 @@ class LLMEngine:
         self._pending_deltas.append(self._delta(req, [], "", None, True))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_deltas) or self._in_flight is not None
+        return (bool(self.requests) or bool(self._pending_deltas) or self._in_flight is not None
+                or self._held is not None)
 
     def _admit_compiled(self, deltas: list[RequestDelta]) -> None:
         """Schedule the constrained requests whose grammar is ready; end those whose grammar failed."""
-        idle = not self.scheduler.running and not self.scheduler.waiting and self._in_flight is None
+        idle = (not self.scheduler.running and not self.scheduler.waiting and self._in_flight is None
+                and self._held is None)
         ready, failed = self.structured.take_compiled(wait=idle)
         for req in ready:
             self.scheduler.add(req)
@@ -183,7 +188,8 @@ class LLMEngine:
         """Schedule and launch the next batch, then process the results of the batch
         launched before it. With overlap on, the GPU runs batch N+1 while the host turns
         batch N's tokens into text and stop decisions; off, each batch is processed right
-        after its own launch."""
+        after its own launch. A batch with constrained requests samples through a grammar
+        mask that needs batch N's tokens: its sampling is held to the next call (DESIGN.md)."""
         started = time.perf_counter()
         deltas = self._step()
         self.engine_steps_total += 1
@@ -195,20 +201,29 @@ class LLMEngine:
         if self.structured.num_compiling:
             self._admit_compiled(deltas)
         in_flight, self._in_flight = self._in_flight, None
+        held, self._held = self._held, None
         if in_flight is not None and not self._can_overlap():
             deltas += self._process(in_flight)
             in_flight = None
         batch = self.scheduler.schedule()
+        launch = self._prepare(batch, deltas) if batch else None
+        if held is not None:  # a constrained step whose sampling waited for this step's host work
+            in_flight = self._sample(held, deltas)
+        forward = self._forward(batch, launch, in_flight, deltas) if launch is not None else None
         launched = None
-        if batch:
-            forward = self._forward(batch, in_flight, deltas)
-            if forward is not None and forward.constrained and in_flight is not None:
-                # the grammars need the tokens of the step before: take them while the GPU runs this forward
-                deltas += self._process(in_flight)
-                in_flight = None
-            launched = self._sample(forward, deltas) if forward is not None else None
+        if forward is not None and not forward.constrained:
+            launched = self._sample(forward, deltas)
         if in_flight is not None:
             deltas += self._process(in_flight)
+        if forward is not None and forward.constrained:
+            # Its grammars needed the tokens just processed: the mask is filled while the GPU runs
+            # its forward. With overlap its sampling is held to the next call, after that call's
+            # host work, so that the next forward follows it on the device without a gap.
+            forward.grammar_mask = self.structured.mask(forward.sampling)
+            if self.overlap:
+                self._held = forward
+            else:
+                launched = self._sample(forward, deltas)
         if launched is not None and not self._can_overlap():
             deltas += self._process(launched)
             launched = None
@@ -219,13 +234,22 @@ class LLMEngine:
         # Penalties need every sampled token on the host before the next sample.
         return self.overlap and self._num_penalty_requests == 0
 
-    def _forward(self, batch: SchedulerOutput, in_flight: InFlightStep | None,
+    def _prepare(self, batch: SchedulerOutput, deltas: list[RequestDelta]):
+        """The host's part of `batch`'s forward (runner.prepare_run); None if it failed."""
+        try:
+            return self.runner.prepare_run(batch, self.block_manager)
+        except Exception as exc:  # end this step's requests, keep the engine
+            self._step_failed(exc, batch.requests, deltas)
+            return None
+
+    def _forward(self, batch: SchedulerOutput, launch, in_flight: InFlightStep | None,
                  deltas: list[RequestDelta]) -> ForwardStep | None:
-        """Launch `batch`'s forward on the device (None if it failed: its requests are ended)."""
+        """Launch `batch`'s forward on the device and advance every request as if its new token
+        had arrived (a PLACEHOLDER until the results are processed); None if it failed (its
+        requests are ended)."""
         reqs = batch.requests
         try:
-            logits, sample_mask, argmax = self.runner.run(batch, self.block_manager,
-                                                          in_flight.sample.token_ids if in_flight else None)
+            logits, sample_mask, argmax = launch(in_flight.sample.token_ids if in_flight else None)
             if sample_mask.all():  # decode steps: every request samples
                 sampling, chunks = reqs, []
             else:
@@ -235,30 +259,6 @@ class LLMEngine:
         except Exception as exc:  # the model failed: end this step's requests, keep the engine
             self._step_failed(exc, reqs, deltas)
             return None
-        constrained = self.structured.num_requests > 0 and any(r.grammar is not None for r in sampling)
-        return ForwardStep(batch, logits, argmax, sampling, chunks, constrained)
-
-    def _step_failed(self, exc: Exception, reqs: list[Request], deltas: list[RequestDelta]) -> None:
-        logger.exception("engine step failed; finishing its %d requests with an error", len(reqs))
-        self.last_error = exc
-        deltas += self._fail(reqs)
-
-    def _sample(self, forward: ForwardStep, deltas: list[RequestDelta]) -> InFlightStep | None:
-        """Sample the forward's logits on the device (through the grammars' masks where a request
-        has one); advance every request as if its new token had arrived (a PLACEHOLDER until the
-        results are processed)."""
-        batch, sampling = forward.batch, forward.sampling
-        reqs = batch.requests
-        try:
-            grammar_mask = self.structured.mask(sampling) if forward.constrained else None
-            sample = self.sampler.launch(forward.logits, sampling, all_plain_greedy=self._num_not_plain_greedy == 0,
-                                         argmax=forward.argmax, grammar_mask=grammar_mask)
-        except Exception as exc:  # the sampler failed: end this step's requests, keep the engine
-            self._step_failed(exc, [r for r in reqs if not r.is_finished], deltas)
-            return None
-        chunks = forward.chunks
-        if forward.constrained:  # the step before was processed in between: some may have finished
-            return self._advance_live(batch, chunks, sampling, sample)
         for req, num_new in zip(reqs, batch.num_new_tokens):
             req.num_computed_tokens += num_new
         output_index = []
@@ -268,29 +268,28 @@ class LLMEngine:
             output_index.append(len(req.output_token_ids))
             req.token_ids.append(PLACEHOLDER)
             req.output_token_ids.append(PLACEHOLDER)
-        return InFlightStep(chunks, sampling, output_index, sample)
+        constrained = self.structured.num_requests > 0 and any(r.grammar is not None for r in sampling)
+        return ForwardStep(batch, logits, argmax, sampling, chunks, output_index, constrained)
 
-    def _advance_live(self, batch: SchedulerOutput, chunks: list[Request], sampling: list[Request],
-                      sample: PendingSample) -> InFlightStep:
-        """_sample's bookkeeping for requests that may have finished since their forward was
-        launched: those are left as they are (the token sampled for them is dropped, and a
-        generator the sampler made for it again is forgotten)."""
-        for req, num_new in zip(batch.requests, batch.num_new_tokens):
-            if not req.is_finished:
-                req.num_computed_tokens += num_new
-        output_index = []
-        for row, req in enumerate(sampling):
-            if req.is_finished:
-                output_index.append(-1)
-                if req.sampling_params.seed is not None:
-                    self.sampler.release(req)
-                continue
-            req.sample_row = row
-            req.num_pending += 1
-            output_index.append(len(req.output_token_ids))
-            req.token_ids.append(PLACEHOLDER)
-            req.output_token_ids.append(PLACEHOLDER)
-        return InFlightStep([r for r in chunks if not r.is_finished], sampling, output_index, sample)
+    def _step_failed(self, exc: Exception, reqs: list[Request], deltas: list[RequestDelta]) -> None:
+        logger.exception("engine step failed; finishing its %d requests with an error", len(reqs))
+        self.last_error = exc
+        deltas += self._fail(reqs)
+
+    def _sample(self, forward: ForwardStep, deltas: list[RequestDelta]) -> InFlightStep | None:
+        """Sample the forward's logits on the device, through its grammar mask if it has one."""
+        sampling = forward.sampling
+        try:
+            sample = self.sampler.launch(forward.logits, sampling, all_plain_greedy=self._num_not_plain_greedy == 0,
+                                         argmax=forward.argmax, grammar_mask=forward.grammar_mask)
+        except Exception as exc:  # the sampler failed: end this step's requests, keep the engine
+            self._step_failed(exc, [r for r in forward.batch.requests if not r.is_finished], deltas)
+            return None
+        if forward.constrained:  # requests may have finished since the forward: their tokens are dropped
+            for req in sampling:
+                if req.is_finished and req.sampling_params.seed is not None:
+                    self.sampler.release(req)  # the generator the sampler made for it again
+        return InFlightStep(forward.chunks, sampling, forward.output_index, sample)
 
     def _process(self, step: InFlightStep) -> list[RequestDelta]:
         """Turn a launched step's sampled tokens into request updates and deltas (the

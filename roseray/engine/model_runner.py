@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 
 from roseray.config import EngineConfig, ModelConfig
 from roseray.engine.block_manager import BlockManager
+from roseray.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, profile_gpu_blocks
 from roseray.engine.piecewise_graphs import PiecewiseGraphs
 from roseray.engine.scheduler import SchedulerOutput
 from roseray.layers.attention import (
@@ -126,7 +128,8 @@ class ModelRunner:
         self._graph_logits: dict[int, torch.Tensor] = {}  # each decode graph's logits output
 
         self.num_blocks = self._decide_num_blocks()
-        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.kv_cache = allocate_kv_cache(self.attention_layers, self.num_blocks, self.block_size, model_config,
+                                          dtype, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode-only steps, by batch size
         self.piecewise: PiecewiseGraphs | None = None  # steps with prefill chunks, by token count
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
@@ -134,9 +137,7 @@ class ModelRunner:
     # ---- KV cache ----------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        mc = self.model_config
-        per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * self.dtype.itemsize
-        return per_token * self.block_size
+        return kv_bytes_per_block(self.model_config, self.dtype, self.block_size)
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -145,26 +146,8 @@ class ModelRunner:
             budget = int(self.config.cpu_kv_cache_gib * 2**30) // self.bytes_per_block
             enough = self.max_num_seqs * self.max_blocks_per_seq  # every slot at full length
             return max(1, min(budget, enough))
-        return self._profile_gpu_blocks()
-
-    def _profile_gpu_blocks(self) -> int:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_forward()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        budget = total * self.config.gpu_memory_utilization - peak - outside_torch
-        num_blocks = int(budget // self.bytes_per_block)
-        if num_blocks < 1:
-            raise RuntimeError(
-                f"no memory left for the KV cache: peak {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB "
-                f"at gpu_memory_utilization={self.config.gpu_memory_utilization}; "
-                "raise it or lower max_num_batched_tokens")
-        torch.cuda.empty_cache()
-        return num_blocks
+        return profile_gpu_blocks(self.device, self.config.gpu_memory_utilization, self.bytes_per_block,
+                                  self._profile_forward)
 
     @torch.inference_mode()
     def _profile_forward(self) -> None:
@@ -227,15 +210,6 @@ class ModelRunner:
         what the sampler compiles its kernels for before the first request."""
         hidden = torch.zeros(self.max_num_seqs, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
         return self.model.compute_logits(hidden)
-
-    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        mc = self.model_config
-        # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        shape = (2, len(self.attention_layers), num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
-        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
-        return kv_cache
 
     # ---- step ----------------------------------------------------------------------------
     def _next_staging(self) -> np.ndarray:
@@ -352,49 +326,61 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: SchedulerOutput, block_manager: BlockManager, in_flight_tokens: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor | None]:
-        """Forward one step. Returns logits [num_sampling, vocab] (the model's dtype) for the
-        requests whose scheduled tokens reach their end, the boolean mask of those, and their
-        argmax when the step computed it (decode steps), else None.
-        `in_flight_tokens`: the device token ids sampled by the step still in flight."""
+        """Forward one step: `prepare_run(batch, block_manager)(in_flight_tokens)`."""
+        return self.prepare_run(batch, block_manager)(in_flight_tokens)
+
+    def prepare_run(self, batch: SchedulerOutput, block_manager: BlockManager) -> Callable[..., tuple]:
+        """The host's part of a step now (its inputs into the staging buffer, their copy queued);
+        returns its launch: `launch(in_flight_tokens)` -> logits [num_sampling, vocab] (the
+        model's dtype) for the requests whose scheduled tokens reach their end, the boolean
+        mask of those, and their argmax when the step computed it (decode steps), else None.
+        `in_flight_tokens`: the device token ids sampled by the step still in flight. Between the
+        two the device may be given other work (a held step's sampling)."""
         if batch.num_tokens == len(batch):
-            return self._run_decode(batch, block_manager, in_flight_tokens)
+            return self._prepare_decode_run(batch, block_manager)
         piece_bucket = 0 if self.piecewise is None else self.piecewise.bucket_for(batch.num_tokens)
         step, used = self.prepare(batch, block_manager)
         ids, pos, slot, qsl, lens, tables = self._to_device(step, used)
-        if step.num_pending:
-            n, start = step.num_pending, step.pending_offset
-            buf = self._device_buffer
-            _fill_in_flight(ids, buf[start: start + n], buf[start + n: start + 2 * n], in_flight_tokens)
         meta = AttentionMetadata(slot, qsl, lens, tables, step.max_query_len, step.max_seq_len,
                                  step.num_seqs, self.block_size)
-        if piece_bucket:
-            hidden = self.piecewise.run(piece_bucket, ids, pos, slot, meta)
-        else:
-            with attention_metadata(meta):
-                hidden = self.model(ids, pos)
         start = step.logits_offset
         indices = self._device_buffer[start: start + len(step.logits_indices)]  # part of the one staging copy
-        logits = self.model.compute_logits(hidden[indices.long()])
-        return logits, step.sample_mask, None
 
-    def _run_decode(self, batch: SchedulerOutput, block_manager: BlockManager,
-                    in_flight_tokens: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        def launch(in_flight_tokens: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, None]:
+            if step.num_pending:
+                n, first = step.num_pending, step.pending_offset
+                buf = self._device_buffer
+                _fill_in_flight(ids, buf[first: first + n], buf[first + n: first + 2 * n], in_flight_tokens)
+            if piece_bucket:
+                hidden = self.piecewise.run(piece_bucket, ids, pos, slot, meta)
+            else:
+                with attention_metadata(meta):
+                    hidden = self.model(ids, pos)
+            return self.model.compute_logits(hidden[indices.long()]), step.sample_mask, None
+
+        return launch
+
+    def _prepare_decode_run(self, batch: SchedulerOutput, block_manager: BlockManager) -> Callable[..., tuple]:
         num_seqs = len(batch)
         bucket = self._graph_bucket(num_seqs)
         num_rows = bucket or num_seqs
         used, num_block_cols, max_seq_len = self.prepare_decode(batch, block_manager, num_rows)
         self._copy_staging(used)
-        if in_flight_tokens is not None and in_flight_tokens.data_ptr() != self.decode_tokens.data_ptr():
-            self.decode_tokens[: in_flight_tokens.shape[0]].copy_(in_flight_tokens)  # sampled by another path
         start = self.decode_layout.tables
         tables = self._device_buffer[start: start + num_rows * num_block_cols].view(num_rows, num_block_cols)
-        if bucket:
-            self._g_tables[:bucket, :num_block_cols].copy_(tables)
-            self.graphs[bucket].replay()
-            logits = self._graph_logits[bucket]
-        else:
-            logits = self._decode_forward(num_rows, tables, max_seq_len)
-        return logits[:num_seqs], self._all_rows[:num_seqs], self.decode_tokens[:num_seqs]
+
+        def launch(in_flight_tokens: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+            if in_flight_tokens is not None and in_flight_tokens.data_ptr() != self.decode_tokens.data_ptr():
+                self.decode_tokens[: in_flight_tokens.shape[0]].copy_(in_flight_tokens)  # sampled by another path
+            if bucket:
+                self._g_tables[:bucket, :num_block_cols].copy_(tables)
+                self.graphs[bucket].replay()
+                logits = self._graph_logits[bucket]
+            else:
+                logits = self._decode_forward(num_rows, tables, max_seq_len)
+            return logits[:num_seqs], self._all_rows[:num_seqs], self.decode_tokens[:num_seqs]
+
+        return launch
 
     def _decode_forward(self, num_rows: int, tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
         """The forward of a decode step from the DecodeLayout (what a decode graph holds): fill

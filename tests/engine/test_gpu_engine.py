@@ -129,8 +129,9 @@ def test_constrained_outputs_validate_with_graphs_and_overlap(model_path):
         "name": {"type": "string", "maxLength": 5}}, "required": ["id", "tags", "name"], "additionalProperties": False}
     llm = LLM(str(model_path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_num_batched_tokens=64)
     assert llm.engine.overlap and llm.engine.runner.graphs
-    prompts = batch(32, seed=3)
-    params = [SamplingParams(temperature=1.0 if i % 3 else 0.0, max_tokens=100, seed=i,
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(1, 30))] for _ in range(32)]
+    params = [SamplingParams(temperature=1.0 if i % 3 else 0.0, max_tokens=90, seed=i,
                              structured_outputs=StructuredOutputs.json_schema(schema, any_whitespace=False))
               if i % 2 else SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True) for i in range(32)]
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -1,0 +1,49 @@
+"""The paged KV cache's size and memory: bytes per block, how many blocks fit on a GPU after
+the activation peak of the largest step, and the one tensor every attention layer's cache is
+a view of ([2, num_layers, num_blocks, block_size, num_kv_heads, head_dim])."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from roseray.config import ModelConfig
+
+
+def kv_bytes_per_block(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    mc = model_config
+    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype.itemsize * block_size
+
+
+def profile_gpu_blocks(device: torch.device, gpu_memory_utilization: float, bytes_per_block: int,
+                       profile_forward: Callable[[], None]) -> int:
+    """The blocks that fit in `gpu_memory_utilization` of the GPU after `profile_forward`'s peak
+    (the largest step's activations) and the memory outside torch."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_forward()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = (total - free) - torch.cuda.memory_reserved(device)
+    budget = total * gpu_memory_utilization - peak - outside_torch
+    num_blocks = int(budget // bytes_per_block)
+    if num_blocks < 1:
+        raise RuntimeError(
+            f"no memory left for the KV cache: peak {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB "
+            f"at gpu_memory_utilization={gpu_memory_utilization}; raise it or lower max_num_batched_tokens")
+    torch.cuda.empty_cache()
+    return num_blocks
+
+
+def allocate_kv_cache(attention_layers: list, num_blocks: int, block_size: int, model_config: ModelConfig,
+                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The cache tensor; each attention layer gets its k_cache and v_cache views."""
+    mc = model_config
+    shape = (2, len(attention_layers), num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
+    kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+    for i, layer in enumerate(attention_layers):
+        layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+    return kv_cache
