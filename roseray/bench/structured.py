@@ -34,6 +34,7 @@ SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items":
           "required": ["records"], "additionalProperties": False}
 PROMPT = "List eight inventory records as JSON: id, an eight-letter name, two colour tags and a status. Request {i}."
 TIMEOUT_S = 600.0
+SAMPLE_CHARS = 160  # of one output, in each run's line: what the server generated
 
 
 def _body(args, i: int, constrained: bool, max_tokens: int) -> dict:
@@ -76,7 +77,8 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: int) 
             "valid": sum(r["valid"] for r in ok) if constrained else None,
             "finish_length": sum(r["finish_reason"] == "length" for r in ok),
             "output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 1),
-            "mean_completion_tokens": round(tokens / max(len(ok), 1), 1)}
+            "mean_completion_tokens": round(tokens / max(len(ok), 1), 1),
+            "sample": ok[0]["text"][:SAMPLE_CHARS] if ok else (results[0].get("error") if results else None)}
 
 
 def _result(response: httpx.Response, constrained: bool) -> dict:
@@ -92,7 +94,7 @@ def _result(response: httpx.Response, constrained: bool) -> dict:
         except (ValueError, jsonschema.ValidationError):
             pass
     return {"status": 200, "completion_tokens": body["usage"]["completion_tokens"], "valid": valid,
-            "finish_reason": choice["finish_reason"]}
+            "finish_reason": choice["finish_reason"], "text": choice["message"]["content"] or ""}
 
 
 async def run(args) -> list[dict]:

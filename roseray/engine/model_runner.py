@@ -323,12 +323,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._device_buffer[:used].copy_(self._host_buffer[:used], non_blocking=True)
 
-    @torch.inference_mode()
     def run(self, batch: SchedulerOutput, block_manager: BlockManager, in_flight_tokens: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor | None]:
         """Forward one step: `prepare_run(batch, block_manager)(in_flight_tokens)`."""
         return self.prepare_run(batch, block_manager)(in_flight_tokens)
 
+    @torch.inference_mode()
     def prepare_run(self, batch: SchedulerOutput, block_manager: BlockManager) -> Callable[..., tuple]:
         """The host's part of a step now (its inputs into the staging buffer, their copy queued);
         returns its launch: `launch(in_flight_tokens)` -> logits [num_sampling, vocab] (the
@@ -346,6 +346,7 @@ class ModelRunner:
         start = step.logits_offset
         indices = self._device_buffer[start: start + len(step.logits_indices)]  # part of the one staging copy
 
+        @torch.inference_mode()
         def launch(in_flight_tokens: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, None]:
             if step.num_pending:
                 n, first = step.num_pending, step.pending_offset
@@ -369,6 +370,7 @@ class ModelRunner:
         start = self.decode_layout.tables
         tables = self._device_buffer[start: start + num_rows * num_block_cols].view(num_rows, num_block_cols)
 
+        @torch.inference_mode()
         def launch(in_flight_tokens: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
             if in_flight_tokens is not None and in_flight_tokens.data_ptr() != self.decode_tokens.data_ptr():
                 self.decode_tokens[: in_flight_tokens.shape[0]].copy_(in_flight_tokens)  # sampled by another path
