@@ -295,6 +295,8 @@ class LLMEngine:
         """Turn a launched step's sampled tokens into request updates and deltas (the
         per-token hot loop of the host: keep it to attribute reads and list writes)."""
         sampled = step.sample.result()
+        if self.structured.num_requests:
+            self.structured.accept_step(step.sampling, sampled.token_ids)
         now = time.monotonic()
         deltas, finished, statuses = [], [], []
         logprobs = sampled.logprobs

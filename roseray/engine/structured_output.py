@@ -207,16 +207,21 @@ def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xg
 class RequestGrammar:
     """One request's matcher, and whether it constrains yet (reasoning first, with a parser)."""
 
-    __slots__ = ("matcher", "active", "end_marker", "failed")
+    __slots__ = ("matcher", "active", "end_marker", "failed", "taken")
 
     def __init__(self, compiled: xgr.CompiledGrammar, end_marker: list[int] | None = None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.end_marker = end_marker  # the reasoning's end: the grammar applies after these tokens
         self.active = not end_marker
         self.failed = False  # the matcher refused a token (only when a mask was not applied)
+        self.taken = False  # accept_batch gave the matcher this step's token already
 
     def accept(self, token: int, output_token_ids: list[int], num_output: int) -> None:
-        """Advance by the request's newest output token (output_token_ids[num_output - 1])."""
+        """Advance by the request's newest output token (output_token_ids[num_output - 1]),
+        unless accept_batch did."""
+        if self.taken:
+            self.taken = False
+            return
         if not self.active:
             marker = self.end_marker
             if num_output >= len(marker) and output_token_ids[num_output - len(marker):num_output] == marker:
@@ -228,6 +233,17 @@ class RequestGrammar:
     @property
     def is_terminated(self) -> bool:
         return self.active and self.matcher.is_terminated()
+
+
+def accept_batch(grammars: list[RequestGrammar], tokens: list[int]) -> None:
+    """Each active grammar takes its token, in one call (grammar.accept then only reads the result)."""
+    if not grammars:
+        return
+    accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
+    for grammar, ok in zip(grammars, accepted):
+        grammar.taken = True
+        if not ok:
+            grammar.failed = True
 
 
 # the reasoning parsers' markers (roseray.config.REASONING_PARSERS): where the grammar starts
@@ -251,8 +267,9 @@ def _last_index(token_ids: list[int], marker: list[int]) -> int:
 class GrammarBitmask:
     """The next-token bitmask of a step's constrained rows, filled on the host, copied once."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, threads: int | str = "auto") -> None:
         self.num_words = (vocab_size + 31) // 32
+        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)  # fills the rows on its own threads
         pin = device.type == "cuda"
         # two buffers, used in turn: a step's copy may still be queued when the next step fills
         self._host = [torch.full((max_rows, self.num_words), -1, dtype=torch.int32, pin_memory=pin)
@@ -265,11 +282,15 @@ class GrammarBitmask:
         (all tokens for None or an inactive grammar)."""
         self._turn ^= 1
         host = self._host[self._turn][:len(grammars)]
+        matchers, rows = [], []
         for i, grammar in enumerate(grammars):
             if grammar is None or not grammar.active or grammar.matcher.is_terminated():
                 host[i].fill_(-1)
             else:
-                grammar.matcher.fill_next_token_bitmask(host, i)
+                matchers.append(grammar.matcher)
+                rows.append(i)
+        if matchers:
+            self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
         if self._device.type == "cpu":
             return host.clone()
         return host.to(self._device, non_blocking=True)

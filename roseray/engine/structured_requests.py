@@ -22,6 +22,7 @@ from roseray.engine.structured_output import (
     GrammarBitmask,
     GrammarCompiler,
     RequestGrammar,
+    accept_batch,
     reasoning_ended,
 )
 
@@ -89,6 +90,18 @@ class StructuredOutputManager:
         if not rows:
             return None
         return self.bitmask.fill([sampling[i].grammar for i in rows]), rows
+
+    @staticmethod
+    def accept_step(sampling: list[Request], token_ids: list[int]) -> None:
+        """A processed step's tokens to the active grammars of its live requests, in one batch
+        (before the engine's per-token loop, whose `advance` then reads the outcome)."""
+        grammars, tokens = [], []
+        for req, token in zip(sampling, token_ids):
+            grammar = req.grammar
+            if grammar is not None and grammar.active and req.status < RequestStatus.FINISHED_STOPPED:
+                grammars.append(grammar)
+                tokens.append(token)
+        accept_batch(grammars, tokens)
 
     @staticmethod
     def advance(req: Request, token: int, num_output: int, status: RequestStatus | None) -> RequestStatus | None:

@@ -11,7 +11,7 @@ import re
 import jsonschema
 import pytest
 
-from roseray.engine.structured_output import check_structured_outputs
+from roseray.engine.structured_output import check_structured_outputs, reasoning_ended
 from roseray.llm import LLM
 from roseray.sampling_params import SamplingParams, StructuredOutputs
 from tests.models.hf_models import make_tiny_model
@@ -206,3 +206,32 @@ def test_overlapped_steps_give_the_same_constrained_outputs():
             _assert_valid_json(output, schema)
         llm.engine.check_integrity()
     assert results[0] == results[1]
+
+
+def test_the_grammar_waits_for_the_end_of_the_reasoning():
+    """With a reasoning parser the grammar applies from the end marker on: tokens before it are free,
+    the marker's last token switches the grammar on, the next token is the grammar's first."""
+    llm = LLM("random:tiny", reasoning_parser="deepseek_r1")
+    engine = llm.engine
+    start, end = engine.structured.reasoning_markers
+    assert end == engine.tokenizer.encode("</think>", add_special_tokens=False)
+    choice = StructuredOutputs.choice(["ok"])
+    req = engine.add_request("r", "think first", SamplingParams(max_tokens=64, structured_outputs=choice))
+    engine.structured.compiler.compile(choice)  # waits for the compile thread
+    ready, failed = engine.structured.take_compiled(wait=False)
+    assert ready == [req] and not failed
+    engine.scheduler.add(req)  # as the engine's step does with a ready one
+    grammar = req.grammar
+    assert not grammar.active  # the prompt opened no reasoning it closed: the output reasons first
+    output = [ord(c) for c in "hmm "] + end
+    for n in range(1, len(output) + 1):
+        grammar.accept(output[n - 1], output, n)
+    assert grammar.active and not grammar.failed
+    ok = engine.tokenizer.encode("ok", add_special_tokens=False)
+    output += ok
+    for n in range(len(output) - len(ok) + 1, len(output) + 1):
+        grammar.accept(output[n - 1], output, n)
+    assert not grammar.failed and grammar.matcher.is_completed()
+    engine.abort_request(req.request_id)
+    assert reasoning_ended(start + [5] + end + [6], start, end)  # a template that closed it: the grammar starts at once
+    assert not reasoning_ended([1, 2] + start, start, end)
