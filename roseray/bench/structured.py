@@ -64,21 +64,28 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: int) 
             async def worker() -> None:
                 while not queue.empty():
                     i = queue.get_nowait()
-                    response = await client.post("/v1/chat/completions", json=_body(args, i, constrained, max_tokens))
-                    results.append(_result(response, constrained))
+                    try:
+                        response = await client.post("/v1/chat/completions",
+                                                     json=_body(args, i, constrained, max_tokens))
+                    except httpx.HTTPError as error:  # counted as not completed, and the run goes on
+                        results.append({"status": 0, "error": f"{type(error).__name__}: {error}"})
+                    else:
+                        results.append(_result(response, constrained))
                     bar.update()
 
             started = time.monotonic()
             await asyncio.gather(*[worker() for _ in range(concurrency)])
             seconds = time.monotonic() - started
     ok = [r for r in results if r["status"] == 200]
+    failed = [r for r in results if r["status"] != 200]
     tokens = sum(r["completion_tokens"] for r in ok)
     return {"constrained": constrained, "concurrency": concurrency, "requests": num_requests, "completed": len(ok),
             "valid": sum(r["valid"] for r in ok) if constrained else None,
             "finish_length": sum(r["finish_reason"] == "length" for r in ok),
             "output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 1),
             "mean_completion_tokens": round(tokens / max(len(ok), 1), 1),
-            "sample": ok[0]["text"][:SAMPLE_CHARS] if ok else (results[0].get("error") if results else None)}
+            "sample": ok[0]["text"][:SAMPLE_CHARS] if ok else None,
+            "first_error": failed[0]["error"][:SAMPLE_CHARS] if failed else None}
 
 
 def _result(response: httpx.Response, constrained: bool) -> dict:
