@@ -1,4 +1,4 @@
-"""python -m roseray.bench {throughput,stream,serving,kernels,step-overhead,structured} [options]"""
+"""python -m roseray.bench {throughput,stream,serving,kernels,step-overhead,structured,json-tokenizer} [options]"""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ BENCHMARKS = {
     "kernels": ("roseray.bench.kernels", "Triton KV-append and paged-attention microbenchmarks"),
     "step-overhead": ("roseray.bench.step_overhead", "host time per decode step outside the model forward"),
     "structured": ("roseray.bench.structured", "json_schema responses vs unconstrained, against any OpenAI server"),
+    "json-tokenizer": ("roseray.bench.json_tokenizer", "a byte-level BPE tokenizer for W-json on random weights"),
 }
 
 

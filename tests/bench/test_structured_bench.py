@@ -1,0 +1,41 @@
+"""W-json's tools on CPU: the BPE tokenizer it writes spells JSON and loads through roseray's
+loader, and the structured client against a real server measures valid constrained outputs."""
+
+from __future__ import annotations
+
+import json
+
+from roseray.bench import json_tokenizer, structured
+from roseray.config import EngineConfig
+from roseray.models.loader import load_model_config
+from roseray.tokenizer import load_tokenizer
+from tests.models.hf_models import make_tiny_model
+from tests.openai_api.helpers import serving
+
+
+def test_json_tokenizer_spells_json_and_ends_both_engines_at_its_eos(tmp_path):
+    path = make_tiny_model("qwen3", tmp_path / "m")
+    size = json_tokenizer.write_tokenizer(path, vocab_size=600, max_bytes=300_000)
+    assert 300 < size <= 600
+    config = json.loads((path / "config.json").read_text())
+    assert config["eos_token_id"] == 0
+    tokenizer = load_tokenizer(str(path), load_model_config(str(path)))
+    text = '{"records": [{"id": 1, "ok": true}]}'
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    assert tokenizer.eos_token_id == 0
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_structured_client_measures_valid_outputs_against_a_server(capsys):
+    config = EngineConfig(model="random:tiny", device="cpu", max_model_len=2048, num_kv_blocks=512)
+    with serving(config) as server:
+        rc = structured.main(["--base-url", server.url, "--concurrency", "2", "--requests-per-client", "1",
+                              "--max-tokens", "1500", "--label", "cpu"])
+    assert rc == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    constrained, free, cost = lines
+    assert constrained["constrained"] and constrained["completed"] == constrained["valid"] == 2
+    assert constrained["finish_length"] == 0 and constrained["sample"].startswith("{")
+    assert not free["constrained"] and free["completed"] == 2 and free["finish_length"] == 2
+    assert free["mean_completion_tokens"] == round(constrained["mean_completion_tokens"])  # the same lengths
+    assert cost["server"] == "cpu" and "constraint_cost" in cost
