@@ -235,3 +235,22 @@ def test_the_grammar_waits_for_the_end_of_the_reasoning():
     engine.abort_request(req.request_id)
     assert reasoning_ended(start + [5] + end + [6], start, end)  # a template that closed it: the grammar starts at once
     assert not reasoning_ended([1, 2] + start, start, end)
+
+
+@pytest.mark.parametrize("sampling", [
+    dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.7), dict(temperature=1.0, min_p=0.2),
+    dict(temperature=1.0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5),
+    dict(temperature=0.0, logprobs=3), dict(temperature=1.0, seed=5, logprobs=0),
+])
+def test_every_sampling_mode_samples_through_the_mask(byte_llm, sampling):
+    """The mask comes first: filters, penalties (which must not lift a -inf) and logprobs all see
+    the masked logits, and a logprob row's sampled token is one the grammar allows."""
+    schema = SCHEMAS["enum_and_const"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputs.json_schema(schema),
+                            **sampling)
+    outputs = byte_llm.generate(["mode a", "mode b"], params, use_tqdm=False)
+    for output in outputs:
+        _assert_valid_json(output, schema)
+        completion = output.outputs[0]
+        if sampling.get("logprobs") is not None:
+            assert all(entry[token] > float("-inf") for entry, token in zip(completion.logprobs, completion.token_ids))
