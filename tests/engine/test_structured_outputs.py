@@ -11,7 +11,7 @@ import re
 import jsonschema
 import pytest
 
-from roseray.engine.structured_output import check_structured_outputs, reasoning_ended
+from roseray.engine.structured_output import GrammarCompiler, check_structured_outputs, reasoning_ended
 from roseray.llm import LLM
 from roseray.sampling_params import SamplingParams, StructuredOutputs
 from tests.models.hf_models import make_tiny_model
@@ -254,3 +254,34 @@ def test_every_sampling_mode_samples_through_the_mask(byte_llm, sampling):
         completion = output.outputs[0]
         if sampling.get("logprobs") is not None:
             assert all(entry[token] > float("-inf") for entry, token in zip(completion.logprobs, completion.token_ids))
+
+
+def test_structural_tag_outputs_follow_it(byte_llm):
+    """xgrammar's structural tag: the output opens the tag, holds JSON valid for its schema, closes it."""
+    args = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
+            "additionalProperties": False}
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<fn="], "tags": [
+        {"begin": "<fn=get>", "content": {"type": "json_schema", "json_schema": args}, "end": "</fn>"}],
+        "at_least_one": True, "stop_after_first": True}}
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputs(
+        "structural_tag", json.dumps(tag)))
+    for output in byte_llm.generate(["tag a", "tag b"], params, use_tqdm=False):
+        completion = output.outputs[0]
+        match = re.fullmatch(r"<fn=get>(.*)</fn>", completion.text, re.DOTALL)
+        assert completion.finish_reason == "stop" and match, completion.text
+        jsonschema.validate(json.loads(match.group(1)), args)
+
+
+def test_compiled_grammars_are_cached_with_a_bound(byte_llm):
+    compiler = GrammarCompiler(byte_llm.engine.tokenizer, byte_llm.engine.model_config.vocab_size, [511], max_cached=2)
+    specs = [StructuredOutputs.choice([word]) for word in ("one", "two", "three")]
+    first = compiler.compile(specs[0])
+    assert compiler.compile(specs[0]) is first  # a hit: the same compiled grammar
+    compiler.compile(specs[1])
+    compiler.compile(specs[2])  # evicts the least recently used: specs[0]
+    assert compiler.compile(specs[0]) is not first
+    failed = compiler.submit(StructuredOutputs("regex", "("))
+    with pytest.raises(ValueError, match="structured output"):
+        failed.result()
+    assert compiler.submit(StructuredOutputs("regex", "(")) is not failed  # a failure is not kept
+    compiler.close()
