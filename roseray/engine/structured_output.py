@@ -152,6 +152,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
                  max_cached: int = MAX_CACHED_GRAMMARS, threads: int = 2) -> None:
         self.vocab_size = vocab_size
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.info = _tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
@@ -207,14 +208,18 @@ def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xg
 class RequestGrammar:
     """One request's matcher, and whether it constrains yet (reasoning first, with a parser)."""
 
-    __slots__ = ("matcher", "active", "end_marker", "failed", "taken")
+    __slots__ = ("matcher", "active", "end_marker", "failed", "taken", "terminated", "stop_token_ids")
 
-    def __init__(self, compiled: xgr.CompiledGrammar, end_marker: list[int] | None = None) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: frozenset[int],
+                 end_marker: list[int] | None = None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.stop_token_ids = stop_token_ids  # the compiler's: the grammar ends by accepting one
         self.end_marker = end_marker  # the reasoning's end: the grammar applies after these tokens
         self.active = not end_marker
         self.failed = False  # the matcher refused a token (only when a mask was not applied)
         self.taken = False  # accept_batch gave the matcher this step's token already
+        # the matcher accepted a stop token, which is the only way it terminates (so no call asks it)
+        self.terminated = False
 
     def accept(self, token: int, output_token_ids: list[int], num_output: int) -> None:
         """Advance by the request's newest output token (output_token_ids[num_output - 1]),
@@ -227,12 +232,10 @@ class RequestGrammar:
             if num_output >= len(marker) and output_token_ids[num_output - len(marker):num_output] == marker:
                 self.active = True
             return
-        if not self.matcher.accept_token(token):
+        if self.matcher.accept_token(token):
+            self.terminated = token in self.stop_token_ids
+        else:
             self.failed = True
-
-    @property
-    def is_terminated(self) -> bool:
-        return self.active and self.matcher.is_terminated()
 
 
 def accept_batch(grammars: list[RequestGrammar], tokens: list[int]) -> None:
@@ -240,9 +243,11 @@ def accept_batch(grammars: list[RequestGrammar], tokens: list[int]) -> None:
     if not grammars:
         return
     accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
-    for grammar, ok in zip(grammars, accepted):
+    for grammar, token, ok in zip(grammars, tokens, accepted):
         grammar.taken = True
-        if not ok:
+        if ok:
+            grammar.terminated = token in grammar.stop_token_ids
+        else:
             grammar.failed = True
 
 
@@ -284,7 +289,7 @@ class GrammarBitmask:
         host = self._host[self._turn][:len(grammars)]
         matchers, rows = [], []
         for i, grammar in enumerate(grammars):
-            if grammar is None or not grammar.active or grammar.matcher.is_terminated():
+            if grammar is None or not grammar.active or grammar.terminated:
                 host[i].fill_(-1)
             else:
                 matchers.append(grammar.matcher)

@@ -79,7 +79,7 @@ class StructuredOutputManager:
             if self.reasoning_markers is not None:
                 start, end = self.reasoning_markers
                 end_marker = None if reasoning_ended(req.prompt_token_ids, start, end) else end
-            req.grammar = RequestGrammar(future.result(), end_marker)
+            req.grammar = RequestGrammar(future.result(), self.compiler.stop_token_ids, end_marker)
             ready.append(req)
         return ready, failed
 
@@ -112,7 +112,7 @@ class StructuredOutputManager:
         if grammar.failed:
             logger.error("request %s: its grammar refused a sampled token", req.request_id)
             return RequestStatus.FINISHED_ERROR
-        if grammar.is_terminated:
+        if grammar.terminated:
             return RequestStatus.FINISHED_STOPPED
         return status
 

@@ -11,7 +11,13 @@ import re
 import jsonschema
 import pytest
 
-from roseray.engine.structured_output import GrammarCompiler, check_structured_outputs, reasoning_ended
+from roseray.engine.structured_output import (
+    GrammarCompiler,
+    RequestGrammar,
+    accept_batch,
+    check_structured_outputs,
+    reasoning_ended,
+)
 from roseray.llm import LLM
 from roseray.sampling_params import SamplingParams, StructuredOutputs
 from tests.models.hf_models import make_tiny_model
@@ -285,3 +291,19 @@ def test_compiled_grammars_are_cached_with_a_bound(byte_llm):
         failed.result()
     assert compiler.submit(StructuredOutputs("regex", "(")) is not failed  # a failure is not kept
     compiler.close()
+
+
+def test_a_grammar_terminates_exactly_when_its_matcher_does(byte_llm):
+    """RequestGrammar.terminated (no call into xgrammar per token) agrees with the matcher, by
+    one token at a time and by the batch accept."""
+    engine = byte_llm.engine
+    compiled = engine.structured.compiler.compile(StructuredOutputs.choice(["ok"]))
+    eos = engine.tokenizer.eos_token_id
+    tokens = engine.tokenizer.encode("ok", add_special_tokens=False) + [eos]
+    one, batched = (RequestGrammar(compiled, engine.structured.compiler.stop_token_ids) for _ in range(2))
+    for n, token in enumerate(tokens, start=1):
+        one.accept(token, tokens, n)
+        accept_batch([batched], [token])
+        for grammar in (one, batched):
+            assert not grammar.failed
+            assert grammar.terminated == grammar.matcher.is_terminated() == (n == len(tokens))
