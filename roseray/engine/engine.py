@@ -215,10 +215,12 @@ class LLMEngine:
             launched = self._sample(forward, deltas)
         if in_flight is not None:
             deltas += self._process(in_flight)
-        if forward is not None and forward.constrained:
+        if forward is not None and forward.constrained and (forward.chunks or
+                                                            not all(r.is_finished for r in forward.sampling)):
             # Its grammars needed the tokens just processed: the mask is filled while the GPU runs
             # its forward. With overlap its sampling is held to the next call, after that call's
-            # host work, so that the next forward follows it on the device without a gap.
+            # host work, so that the next forward follows it on the device without a gap. (A step
+            # whose requests all finished meanwhile has nothing to sample.)
             forward.grammar_mask = self.structured.mask(forward.sampling)
             if self.overlap:
                 self._held = forward

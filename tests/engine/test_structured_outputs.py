@@ -124,10 +124,13 @@ def test_max_tokens_still_cuts_a_constrained_output(byte_llm):
     assert completion.finish_reason == "length" and len(completion.token_ids) == 3
 
 
-def test_preempted_and_prefix_cached_constrained_requests_stay_valid():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preempted_and_prefix_cached_constrained_requests_stay_valid(overlap):
     """Few KV blocks and a shared long prefix: requests are preempted (recomputed) and hit the
-    prefix cache mid-grammar; every output still validates."""
-    llm = LLM("random:tiny", num_kv_blocks=60, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, seed=7)
+    prefix cache mid-grammar; every output still validates. With overlap, a request can be
+    preempted while its step's sampling is held."""
+    llm = LLM("random:tiny", num_kv_blocks=60, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, seed=7,
+              async_scheduling=overlap)
     schema = SCHEMAS["nested_object"]
     prefix = "a shared prompt, cached: "
     prompts = [f"{prefix}question {i}" for i in range(8)]
@@ -307,3 +310,20 @@ def test_a_grammar_terminates_exactly_when_its_matcher_does(byte_llm):
         for grammar in (one, batched):
             assert not grammar.failed
             assert grammar.terminated == grammar.matcher.is_terminated() == (n == len(tokens))
+
+
+def test_overlap_with_penalised_and_constrained_requests_together():
+    """Penalties turn overlap off step by step (their sampling needs every token on the host)
+    while constrained steps hold their sampling: both at once stay valid and consistent."""
+    llm = LLM("random:tiny", async_scheduling=True, max_num_batched_tokens=16, seed=4)
+    schema = SCHEMAS["bounded_array"]
+    params = [_json_params(schema, temperature=1.0, seed=i) for i in range(4)]
+    params += [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2,
+                              presence_penalty=0.5, seed=i) for i in range(3)]
+    params += [SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)]
+    outputs = llm.generate([f"mix {i}" for i in range(len(params))], params, use_tqdm=False)
+    for output in outputs[:4]:
+        _assert_valid_json(output, schema)
+    assert [len(o.outputs[0].token_ids) for o in outputs[4:]] == [30, 30, 30, 25]
+    llm.engine.check_integrity()
+    assert not llm.engine.has_unfinished_requests()
