@@ -31,27 +31,19 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class InFlightStep:
-    """A launched step whose sampled tokens the host has not processed yet."""
-
-    chunks: list[Request]  # requests the step computed a prefill chunk for without sampling
-    sampling: list[Request]  # requests that sample a token, in row order
-    output_index: list[int]  # where each sampled token goes in its request's output
-    sample: PendingSample
-
-
-@dataclass(slots=True)
-class ForwardStep:
-    """A step whose forward is launched and whose sampling is not (yet)."""
+class LaunchedStep:
+    """A step whose forward is launched; `sample` once its sampling is too (in flight: the host
+    has not processed its tokens yet)."""
 
     batch: SchedulerOutput
     logits: torch.Tensor  # [len(sampling), vocab] on the device
     argmax: torch.Tensor | None  # the logits' argmax when the forward computed it
-    sampling: list[Request]
-    chunks: list[Request]
+    sampling: list[Request]  # requests that sample a token, in row order
+    chunks: list[Request]  # requests the step computed a prefill chunk for without sampling
     output_index: list[int]  # where each sampled token goes in its request's output
     constrained: bool  # some sampling request has a grammar: its mask needs the previous step's tokens
     grammar_mask: tuple[torch.Tensor, list[int]] | None = None  # (bitmask, rows), filled before sampling
+    sample: PendingSample | None = None
 
 
 class LLMEngine:
@@ -88,8 +80,8 @@ class LLMEngine:
         self._pending_deltas: list[RequestDelta] = []  # aborts to report on the next step
         self.last_error: BaseException | None = None
         self.overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
-        self._in_flight: InFlightStep | None = None
-        self._held: ForwardStep | None = None  # a constrained step's forward, its sampling held to the next step
+        self._in_flight: LaunchedStep | None = None  # sampled, not processed
+        self._held: LaunchedStep | None = None  # a constrained step's forward, its sampling held to the next step
         self._num_penalty_requests = 0  # running requests whose sampling needs host-side history
         self._num_not_plain_greedy = 0  # requests that need more than an argmax of the logits
         self.prompt_tokens_total = 0
@@ -244,8 +236,8 @@ class LLMEngine:
             self._step_failed(exc, batch.requests, deltas)
             return None
 
-    def _forward(self, batch: SchedulerOutput, launch, in_flight: InFlightStep | None,
-                 deltas: list[RequestDelta]) -> ForwardStep | None:
+    def _forward(self, batch: SchedulerOutput, launch, in_flight: LaunchedStep | None,
+                 deltas: list[RequestDelta]) -> LaunchedStep | None:
         """Launch `batch`'s forward on the device and advance every request as if its new token
         had arrived (a PLACEHOLDER until the results are processed); None if it failed (its
         requests are ended)."""
@@ -271,19 +263,20 @@ class LLMEngine:
             req.token_ids.append(PLACEHOLDER)
             req.output_token_ids.append(PLACEHOLDER)
         constrained = self.structured.num_requests > 0 and any(r.grammar is not None for r in sampling)
-        return ForwardStep(batch, logits, argmax, sampling, chunks, output_index, constrained)
+        return LaunchedStep(batch, logits, argmax, sampling, chunks, output_index, constrained)
 
     def _step_failed(self, exc: Exception, reqs: list[Request], deltas: list[RequestDelta]) -> None:
         logger.exception("engine step failed; finishing its %d requests with an error", len(reqs))
         self.last_error = exc
         deltas += self._fail(reqs)
 
-    def _sample(self, forward: ForwardStep, deltas: list[RequestDelta]) -> InFlightStep | None:
+    def _sample(self, forward: LaunchedStep, deltas: list[RequestDelta]) -> LaunchedStep | None:
         """Sample the forward's logits on the device, through its grammar mask if it has one."""
         sampling = forward.sampling
         try:
-            sample = self.sampler.launch(forward.logits, sampling, all_plain_greedy=self._num_not_plain_greedy == 0,
-                                         argmax=forward.argmax, grammar_mask=forward.grammar_mask)
+            forward.sample = self.sampler.launch(forward.logits, sampling,
+                                                 all_plain_greedy=self._num_not_plain_greedy == 0,
+                                                 argmax=forward.argmax, grammar_mask=forward.grammar_mask)
         except Exception as exc:  # the sampler failed: end this step's requests, keep the engine
             self._step_failed(exc, [r for r in forward.batch.requests if not r.is_finished], deltas)
             return None
@@ -291,14 +284,14 @@ class LLMEngine:
             for req in sampling:
                 if req.is_finished and req.sampling_params.seed is not None:
                     self.sampler.release(req)  # the generator the sampler made for it again
-        return InFlightStep(forward.chunks, sampling, forward.output_index, sample)
+        return forward
 
-    def _process(self, step: InFlightStep) -> list[RequestDelta]:
+    def _process(self, step: LaunchedStep) -> list[RequestDelta]:
         """Turn a launched step's sampled tokens into request updates and deltas (the
         per-token hot loop of the host: keep it to attribute reads and list writes)."""
         sampled = step.sample.result()
         if self.structured.num_requests:
-            self.structured.accept_step(step.sampling, sampled.token_ids)
+            self.structured.accept_step(step.sampling, sampled.token_ids, step.output_index)
         now = time.monotonic()
         deltas, finished, statuses = [], [], []
         logprobs = sampled.logprobs
@@ -327,7 +320,7 @@ class LLMEngine:
             if num_output >= req.max_tokens or token in req.stop_ids or num_prompt + num_output >= max_model_len:
                 status = self._check_stop(req, token, num_output)
             if req.grammar is not None:
-                status = self.structured.advance(req, token, num_output, status)
+                status = self.structured.advance(req, status)
             detokenizer = req.detokenizer
             if detokenizer is None:
                 new_text = ""

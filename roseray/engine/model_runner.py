@@ -323,11 +323,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._device_buffer[:used].copy_(self._host_buffer[:used], non_blocking=True)
 
-    def run(self, batch: SchedulerOutput, block_manager: BlockManager, in_flight_tokens: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor | None]:
-        """Forward one step: `prepare_run(batch, block_manager)(in_flight_tokens)`."""
-        return self.prepare_run(batch, block_manager)(in_flight_tokens)
-
     @torch.inference_mode()
     def prepare_run(self, batch: SchedulerOutput, block_manager: BlockManager) -> Callable[..., tuple]:
         """The host's part of a step now (its inputs into the staging buffer, their copy queued);

@@ -25,6 +25,7 @@ import logging
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import lru_cache
 
 import torch
 import xgrammar as xgr
@@ -53,6 +54,7 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")  # keywords whose val
 _XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[12:00:00] /path/file.cc:83: " of its errors
 
 
+@lru_cache(maxsize=MAX_CACHED_GRAMMARS)  # specs repeat (one schema for many requests); a failure is not kept
 def check_structured_outputs(spec: StructuredOutputs) -> None:
     """Raise ValueError (naming what is wrong) unless `spec` compiles and is enforceable."""
     try:
@@ -175,7 +177,7 @@ class GrammarCompiler:
         return self.submit(spec).result()
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
-        check_structured_outputs(spec)
+        """(The engine checked `spec` before it asked.)"""
         try:
             if spec.kind in ("json", "json_object"):
                 schema = spec.spec if spec.kind == "json" else _ANY_OBJECT
@@ -208,7 +210,7 @@ def _tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xg
 class RequestGrammar:
     """One request's matcher, and whether it constrains yet (reasoning first, with a parser)."""
 
-    __slots__ = ("matcher", "active", "end_marker", "failed", "taken", "terminated", "stop_token_ids")
+    __slots__ = ("matcher", "active", "end_marker", "failed", "terminated", "stop_token_ids")
 
     def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: frozenset[int],
                  end_marker: list[int] | None = None) -> None:
@@ -217,16 +219,11 @@ class RequestGrammar:
         self.end_marker = end_marker  # the reasoning's end: the grammar applies after these tokens
         self.active = not end_marker
         self.failed = False  # the matcher refused a token (only when a mask was not applied)
-        self.taken = False  # accept_batch gave the matcher this step's token already
         # the matcher accepted a stop token, which is the only way it terminates (so no call asks it)
         self.terminated = False
 
     def accept(self, token: int, output_token_ids: list[int], num_output: int) -> None:
-        """Advance by the request's newest output token (output_token_ids[num_output - 1]),
-        unless accept_batch did."""
-        if self.taken:
-            self.taken = False
-            return
+        """Advance by the request's newest output token (output_token_ids[num_output - 1])."""
         if not self.active:
             marker = self.end_marker
             if num_output >= len(marker) and output_token_ids[num_output - len(marker):num_output] == marker:
@@ -239,12 +236,11 @@ class RequestGrammar:
 
 
 def accept_batch(grammars: list[RequestGrammar], tokens: list[int]) -> None:
-    """Each active grammar takes its token, in one call (grammar.accept then only reads the result)."""
+    """Each active grammar takes its token, in one call."""
     if not grammars:
         return
     accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
     for grammar, token, ok in zip(grammars, tokens, accepted):
-        grammar.taken = True
         if ok:
             grammar.terminated = token in grammar.stop_token_ids
         else:
@@ -282,14 +278,14 @@ class GrammarBitmask:
         self._turn = 0
         self._device = device
 
-    def fill(self, grammars: list[RequestGrammar | None]) -> torch.Tensor:
+    def fill(self, grammars: list[RequestGrammar]) -> torch.Tensor:
         """[len(grammars), num_words] int32 on the device: row i is grammars[i]'s allowed tokens
-        (all tokens for None or an inactive grammar)."""
+        (all tokens for an inactive or ended grammar)."""
         self._turn ^= 1
         host = self._host[self._turn][:len(grammars)]
         matchers, rows = [], []
         for i, grammar in enumerate(grammars):
-            if grammar is None or not grammar.active or grammar.terminated:
+            if not grammar.active or grammar.terminated:
                 host[i].fill_(-1)
             else:
                 matchers.append(grammar.matcher)

@@ -92,23 +92,29 @@ class StructuredOutputManager:
         return self.bitmask.fill([sampling[i].grammar for i in rows]), rows
 
     @staticmethod
-    def accept_step(sampling: list[Request], token_ids: list[int]) -> None:
-        """A processed step's tokens to the active grammars of its live requests, in one batch
-        (before the engine's per-token loop, whose `advance` then reads the outcome)."""
+    def accept_step(sampling: list[Request], token_ids: list[int], output_index: list[int]) -> None:
+        """A processed step's tokens to the grammars of its live requests, before the engine's
+        per-token loop (whose `advance` reads the outcome): the active ones take theirs in one
+        batch; an inactive one (reasoning first) looks for the end marker, which the token at
+        output_index[i] ends the output with."""
         grammars, tokens = [], []
-        for req, token in zip(sampling, token_ids):
+        for req, token, index in zip(sampling, token_ids, output_index):
             grammar = req.grammar
-            if grammar is not None and grammar.active and req.status < RequestStatus.FINISHED_STOPPED:
+            if grammar is None or req.status >= RequestStatus.FINISHED_STOPPED:
+                continue
+            if grammar.active:
                 grammars.append(grammar)
                 tokens.append(token)
+            else:
+                tail = req.output_token_ids[max(0, index + 1 - len(grammar.end_marker)):index] + [token]
+                grammar.accept(token, tail, len(tail))
         accept_batch(grammars, tokens)
 
     @staticmethod
-    def advance(req: Request, token: int, num_output: int, status: RequestStatus | None) -> RequestStatus | None:
-        """The request's grammar takes its newest token: the grammar's end is a stop, a token
-        it refuses an error; otherwise `status` (the engine's own stop checks) stands."""
+    def advance(req: Request, status: RequestStatus | None) -> RequestStatus | None:
+        """What the request's grammar made of its newest token (accept_step): the grammar's end
+        is a stop, a token it refused an error; otherwise `status` (the engine's own checks) stands."""
         grammar = req.grammar
-        grammar.accept(token, req.output_token_ids, num_output)
         if grammar.failed:
             logger.error("request %s: its grammar refused a sampled token", req.request_id)
             return RequestStatus.FINISHED_ERROR

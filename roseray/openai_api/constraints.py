@@ -106,23 +106,30 @@ def check_schema(param: str, schema: Any) -> None:
         raise UnsupportedFieldError(param, f"{param}: the JSON schema is nested too deeply") from None
 
 
+def _text_specs(fields: list[tuple[str, Any]]) -> list[tuple[str, StructuredOutputs]]:
+    """(param, its spec) for each field given: a regex, choice, grammar or structural tag, by the
+    param's last word (`guided_regex`, `structured_outputs.choice`, ...)."""
+    found = []
+    for param, value in fields:
+        if value is None:
+            continue
+        kind = param.rsplit(".", 1)[-1].removeprefix("guided_")
+        found.append((param, StructuredOutputs.choice(value) if kind == "choice" else StructuredOutputs(kind, value)))
+    return found
+
+
 def _of_object(obj: StructuredOutputsObject) -> list[tuple[str, StructuredOutputs]]:
     param = "structured_outputs"
     found = []
     any_whitespace = not obj.disable_any_whitespace
     if obj.json_ is not None:
         found.append(("structured_outputs.json", _json_schema(param, obj.json_, any_whitespace)))
-    if obj.regex is not None:
-        found.append(("structured_outputs.regex", StructuredOutputs("regex", obj.regex)))
-    if obj.choice is not None:
-        found.append(("structured_outputs.choice", StructuredOutputs.choice(obj.choice)))
-    if obj.grammar is not None:
-        found.append(("structured_outputs.grammar", StructuredOutputs("grammar", obj.grammar)))
+    found += _text_specs([("structured_outputs.regex", obj.regex), ("structured_outputs.choice", obj.choice),
+                          ("structured_outputs.grammar", obj.grammar)])
     if obj.json_object:
         found.append(("structured_outputs.json_object", StructuredOutputs("json_object",
                                                                           any_whitespace=any_whitespace)))
-    if obj.structural_tag is not None:
-        found.append(("structured_outputs.structural_tag", StructuredOutputs("structural_tag", obj.structural_tag)))
+    found += _text_specs([("structured_outputs.structural_tag", obj.structural_tag)])
     if not found:
         raise UnsupportedFieldError(param, "structured_outputs names no constraint: give one of json, regex, choice, "
                                            "grammar, json_object, structural_tag")
@@ -143,14 +150,8 @@ def request_constraint(body) -> Constraint | None:
         found.extend(_of_object(body.structured_outputs))
     if body.guided_json is not None:
         found.append(("guided_json", _json_schema("guided_json", body.guided_json)))
-    if body.guided_regex is not None:
-        found.append(("guided_regex", StructuredOutputs("regex", body.guided_regex)))
-    if body.guided_choice is not None:
-        found.append(("guided_choice", StructuredOutputs.choice(body.guided_choice)))
-    if body.guided_grammar is not None:
-        found.append(("guided_grammar", StructuredOutputs("grammar", body.guided_grammar)))
-    if body.structural_tag is not None:
-        found.append(("structural_tag", StructuredOutputs("structural_tag", body.structural_tag)))
+    found += _text_specs([("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice),
+                          ("guided_grammar", body.guided_grammar), ("structural_tag", body.structural_tag)])
     if len(found) > 1:
         raise_two(found[0][0], found[1][0])
     if not found:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import time
 from collections.abc import Callable
 
 from roseray.config import EngineConfig
@@ -66,6 +67,14 @@ class EngineClient(abc.ABC):
         if sampling_params.structured_outputs is not None:  # a spec that cannot compile: a 400 here, not in the engine
             check_structured_outputs(sampling_params.structured_outputs)
         return token_ids
+
+    def _admit(self, request_id: str, in_use, prompt: str | list[int], sampling_params: SamplingParams,
+               arrival_time: float | None) -> tuple[list[int], float]:
+        """An add's checks (a new id, `prepare`): its token ids and arrival time."""
+        if request_id in in_use:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.prepare(prompt, sampling_params)
+        return token_ids, time.monotonic() if arrival_time is None else arrival_time
 
     @property
     @abc.abstractmethod

@@ -79,10 +79,7 @@ class InProcessEngineClient(EngineClient):
 
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams, *,
                     arrival_time: float | None = None) -> None:
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.prepare(prompt, sampling_params)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        token_ids, arrival = self._admit(request_id, self._requests, prompt, sampling_params, arrival_time)
         self._adds.append((request_id, token_ids, sampling_params, arrival))
         self._requests.add(request_id)
 

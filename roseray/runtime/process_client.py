@@ -101,10 +101,7 @@ class EngineProcessClient(EngineClient):
 
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams, *,
                     arrival_time: float | None = None) -> None:
-        if request_id in self._handles:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.prepare(prompt, sampling_params)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        token_ids, arrival = self._admit(request_id, self._handles, prompt, sampling_params, arrival_time)
         handle = str(self._next_handle)
         self._next_handle += 1
         adds = self._adds
