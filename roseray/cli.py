@@ -48,6 +48,8 @@ ENGINE_ARG_HELP = {
     "engine_process": "serving: run the engine loop in its own process, so that the HTTP server and the "
                       "engine do not share one GIL (default: on for CUDA)",
     "revision": "model revision in the HF cache",
+    "load_format": "auto or safetensors: the checkpoint's weights; dummy: seeded random weights in the "
+                   "checkpoint's geometry (a directory with config.json and tokenizer files only), for benchmarks",
     "reasoning_parser": "how the model marks its reasoning (qwen3: <think>...</think> in the output; deepseek_r1: "
                         "the template opens <think>, the output closes it): chat responses carry it as "
                         "reasoning_content (and reasoning), content without it, and a structured output "

@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+# How weights load: from the checkpoint's safetensors ("auto" and "safetensors" are the same
+# today), or "dummy": seeded random weights in the checkpoint's geometry (config.json and
+# tokenizer files suffice), to benchmark large models without their weights on disk.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -65,6 +69,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # overlap host work with the GPU (default: on for CUDA)
     engine_process: bool | None = None  # serving: the engine loop in its own process (default: on for CUDA)
     revision: str | None = None
+    load_format: str = "auto"  # LOAD_FORMATS: auto/safetensors read the checkpoint; dummy makes random weights
     # how the model marks its reasoning (REASONING_PARSERS): the server splits it out, and a
     # request's structured output applies from where the reasoning ends
     reasoning_parser: str | None = None
@@ -73,6 +78,8 @@ class EngineConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
         if self.tokenizer is None:
             self.tokenizer = self.model
         if self.dtype not in ("auto", *_DTYPES):
@@ -187,11 +194,23 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}; got {self.log_level!r}")
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP: each token goes to `top_k` of `num_experts` expert MLPs
+    chosen by a router, and their outputs are summed weighted by the router's probabilities."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    renormalize: bool = True  # the top-k probabilities rescaled to sum to 1 (Qwen3-MoE norm_topk_prob)
+    sparse_layers: tuple[int, ...] | None = None  # layer indices with MoE MLPs; None = every layer
+
+
 @dataclass
 class ModelConfig:
     """The geometry of a checkpoint, normalised across architectures."""
 
-    architecture: str  # "gpt2" | "llama" (Llama/Qwen2/Qwen3/Mistral)
+    architecture: str  # the model family: "gpt2" | "llama" (Llama/Qwen2/Qwen3/Mistral) | one per other module
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -212,3 +231,16 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: torch.dtype | None = None
     hf_architecture: str = ""  # the name in config.json, for messages
+    # Per-layer attention kind: "full_attention" or "sliding_attention" (keys within the last
+    # `sliding_window` positions, the query's own included); empty = every layer full.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # the same on the output logits
+    moe: MoEConfig | None = None
+    # The checkpoint's config.json, for constants only one model module reads (e.g. gpt-oss's
+    # SwiGLU limit); fields every layer shares belong above.
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    def is_sliding(self, layer_index: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer_index] == "sliding_attention"

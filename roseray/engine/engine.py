@@ -52,13 +52,14 @@ class LLMEngine:
         self.config = config
         self.device = config.resolve_device()
         torch.manual_seed(config.seed)
-        self.model_config = load_model_config(config.model, revision=config.revision)
+        self.model_config = load_model_config(config.model, revision=config.revision, load_format=config.load_format)
         self.dtype = config.resolve_dtype(self.model_config.torch_dtype, self.device)
         self.max_model_len = self._resolve_max_model_len()
         self.model_name = config.model
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_config)
         self.detokenization = prepare_detokenization(self.tokenizer)  # now, not in the first request's step
-        model = load_model(self.model_config, config.model, self.device, self.dtype, seed=config.seed)
+        model = load_model(self.model_config, config.model, self.device, self.dtype, seed=config.seed,
+                           load_format=config.load_format)
         self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.max_num_seqs,
                                           self.runner.max_blocks_per_seq, config.enable_prefix_caching)

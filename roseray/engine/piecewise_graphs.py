@@ -76,7 +76,7 @@ class PiecewiseGraph:
         pieces, q, out = self.pieces, self.query[:num_tokens], self.out[:num_tokens]
         for i, layer in enumerate(self.layers):
             pieces[i].replay()
-            backend.forward(q, layer.k_cache, layer.v_cache, meta, layer.scale, out=out)
+            backend.forward(q, layer.k_cache, layer.v_cache, meta, layer.scale, out=out, **layer.options())
         pieces[-1].replay()
         return self.hidden[:num_tokens]
 

@@ -63,6 +63,10 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,  # written in place when given
+        *,
+        sliding_window: int | None = None,  # keys within the last `sliding_window` positions only
+        softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
+        sinks: torch.Tensor | None = None,  # [num_heads] logits of a per-head sink in every softmax
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
@@ -81,8 +85,10 @@ class TorchAttentionBackend:
         v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        result = paged_attention_reference(query, k_cache, v_cache, meta, scale)
+                out: torch.Tensor | None = None, *, sliding_window: int | None = None,
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        result = paged_attention_reference(query, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
+                                           softcap=softcap, sinks=sinks)  # fmt: skip
         return result if out is None else out.copy_(result)
 
 
@@ -92,8 +98,17 @@ def paged_attention_reference(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached tokens, in fp32."""
+    """Causal attention of each sequence's new tokens over its cached tokens, in fp32.
+
+    sliding_window: a query at position p sees keys at positions > p - sliding_window.
+    softcap: scores (after `scale`) become softcap * tanh(scores / softcap).
+    sinks: one extra logit per head in every softmax's denominator, attending to nothing.
+    """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -123,8 +138,16 @@ def paged_attention_reference(
     q_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [num_seqs, max_q]
     k_pos = torch.arange(max_kv, device=device)
     allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
+    if sliding_window is not None:
+        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    else:  # the sink's column joins the softmax and is dropped after it
+        sink_column = sinks.float().view(1, num_heads, 1, 1).expand(num_seqs, num_heads, max_q, 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
     out = torch.einsum("bhqk,bkhd->bqhd", probs, values)  # [num_seqs, max_q, num_heads, head_dim]
 
     result = query.new_zeros(query.shape)
@@ -133,8 +156,9 @@ def paged_attention_reference(
 
 
 def causal_attention_no_cache(query, key, value, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention for a forward without a KV cache (the memory-profiling run): each
-    sequence attends causally to its own new tokens only."""
+    """Attention for a forward without a KV cache (the memory-profiling run, whose outputs
+    are discarded): each sequence attends causally to its own new tokens only, without a
+    layer's window, softcap or sinks."""
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     out = torch.empty_like(query)
     starts = meta.query_start_loc[: meta.num_seqs + 1].tolist()
@@ -192,16 +216,28 @@ class Attention(nn.Module):
 
     Takes q [num_tokens, num_heads * head_dim], k and v [num_tokens, num_kv_heads * head_dim]
     (already rotated), returns [num_tokens, num_heads * head_dim].
+
+    Options of a layer: `sliding_window` (a query sees only the keys of its last
+    `sliding_window` positions, itself included), `softcap` (scores -> softcap *
+    tanh(scores / softcap)), `has_sinks` (a learned per-head logit `sinks` joins every
+    softmax's denominator: gpt-oss).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 sliding_window: int | None = None, softcap: float | None = None, has_sinks: bool = False) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window, self.softcap = sliding_window, softcap
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if has_sinks else None
         # Bound by the model runner once the cache is allocated.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def options(self) -> dict:
+        """The layer's keyword options for AttentionBackend.forward."""
+        return {"sliding_window": self.sliding_window, "softcap": self.softcap, "sinks": self.sinks}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -216,5 +252,5 @@ class Attention(nn.Module):
             if _SPLIT is not None:
                 out = _SPLIT(self, q)
             else:
-                out = _BACKEND.forward(q, self.k_cache, self.v_cache, meta, self.scale)
+                out = _BACKEND.forward(q, self.k_cache, self.v_cache, meta, self.scale, **self.options())
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

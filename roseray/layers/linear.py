@@ -5,7 +5,7 @@ once, any unknown or missing tensor a clear error)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -21,6 +21,9 @@ class MergedLinear(nn.Linear):
         self.output_sizes = list(output_sizes)
         self.offsets = [0, *itertools.accumulate(output_sizes)]
 
+    def checkpoint_shards(self, leaf: str) -> range:
+        return range(len(self.output_sizes))
+
     def shard(self, param: torch.Tensor, index: int) -> torch.Tensor:
         """The rows of `param` (weight [out, in] or bias [out]) that hold output `index`."""
         return param.data.narrow(0, self.offsets[index], self.output_sizes[index])
@@ -31,7 +34,7 @@ class WeightEntry(NamedTuple):
 
     checkpoint_name: str
     param_name: str
-    shard: int | None
+    shard: Hashable | None  # a key of the owner's checkpoint_shards(), None = the whole parameter
     tensor: torch.Tensor
 
 
@@ -40,7 +43,7 @@ def load_weight_entries(model: nn.Module, entries: Iterable[WeightEntry]) -> Non
     an unknown name, a shape mismatch or a parameter the checkpoint never filled."""
     params = dict(model.named_parameters())
     expected = {target for name in params for target in _targets(model, name)}
-    loaded: set[tuple[str, int | None]] = set()
+    loaded: set[tuple[str, Hashable]] = set()
     for entry in entries:
         if entry.param_name not in params or (entry.param_name, entry.shard) not in expected:
             raise ValueError(f"unexpected weight {entry.checkpoint_name!r} in checkpoint for {type(model).__name__}")
@@ -65,8 +68,12 @@ def _owner(model: nn.Module, param_name: str) -> nn.Module:
     return model.get_submodule(param_name.rpartition(".")[0])
 
 
-def _targets(model: nn.Module, param_name: str) -> list[tuple[str, int | None]]:
+def _targets(model: nn.Module, param_name: str) -> list[tuple[str, Hashable]]:
+    """The (parameter, shard) pairs a checkpoint must fill: a module that loads a parameter
+    in parts (MergedLinear, an MoE layer's per-expert weights) names them with
+    `checkpoint_shards(parameter_leaf_name)` and cuts them with `shard(param, key)`."""
     owner = _owner(model, param_name)
-    if isinstance(owner, MergedLinear):
-        return [(param_name, i) for i in range(len(owner.output_sizes))]
-    return [(param_name, None)]
+    shards = getattr(owner, "checkpoint_shards", None)
+    if shards is None:
+        return [(param_name, None)]
+    return [(param_name, key) for key in shards(param_name.rpartition(".")[2])]

@@ -34,7 +34,13 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        *,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if sliding_window is not None or softcap is not None or sinks is not None:
+            raise NotImplementedError("the Triton paged attention has no sliding window, softcap or sinks yet")
         num_seqs = meta.num_seqs
         return paged_attention(
             query, k_cache, v_cache,

@@ -12,6 +12,7 @@ are the ones Hugging Face takes, in the same order.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from roseray.layers.attention import Attention
 from roseray.layers.linear import WeightEntry, load_weight_entries
 from roseray.layers.norms import LayerNorm
 from roseray.layers.vocab import vocab_logits, vocab_parameter
+from roseray.models.hf_fields import first
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _SKIPPED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers of old checkpoints
@@ -118,3 +120,28 @@ class GPT2ForCausalLM(nn.Module):
             if name.endswith(_CONV1D):
                 tensor = tensor.t()
             yield WeightEntry(name, param_name, None, tensor)
+
+
+def config_fields(hf: dict[str, Any], hf_architecture: str) -> dict[str, Any]:
+    """ModelConfig fields from a GPT-2 config.json."""
+    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        raise ValueError(
+            "GPT-2 variants with scale_attn_by_inverse_layer_idx or without scale_attn_weights are unsupported"
+        )
+    if not hf.get("tie_word_embeddings", True):
+        raise ValueError("GPT-2 without tied word embeddings is unsupported")
+    hidden = first(hf, "n_embd", "hidden_size")
+    heads = first(hf, "n_head", "num_attention_heads")
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_hidden_layers=first(hf, "n_layer", "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        intermediate_size=first(hf, "n_inner", default=4 * hidden),
+        max_position_embeddings=first(hf, "n_positions", "n_ctx", "max_position_embeddings"),
+        hidden_act=hf.get("activation_function", "gelu_new"),
+        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        tie_word_embeddings=True,
+    )

@@ -1,5 +1,5 @@
 """Llama-family decoder: Llama 2/3, Qwen2/2.5 (qkv bias), Qwen3 (per-head q/k RMSNorm),
-Mistral. Grouped-query attention through the paged `Attention` layer, fused q|k|v and
+Mistral (sliding-window attention). Grouped-query attention through the paged `Attention` layer, fused q|k|v and
 gate|up projections, RoPE by position index.
 
 Parameter names mirror Hugging Face's, so loading only maps q/k/v and gate/up onto the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from roseray.layers.linear import MergedLinear, WeightEntry, load_weight_entries
 from roseray.layers.norms import RMSNorm
 from roseray.layers.rotary import RotaryEmbedding
 from roseray.layers.vocab import vocab_logits, vocab_parameter
+from roseray.models.hf_fields import layer_types, rope
 
 # Hugging Face projection name -> (fused projection, shard index).
 _FUSED = {
@@ -39,7 +41,7 @@ _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cach
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads,
@@ -55,7 +57,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by every layer
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+        window = config.sliding_window if config.is_sliding(layer_index) else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5,
+                              sliding_window=window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -82,10 +86,10 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. The residual stream travels beside the hidden states: each norm adds
     the previous sub-block's output to it and normalises the sum in one step."""
 
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.self_attn = LlamaAttention(config, rotary_emb, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -111,7 +115,9 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -155,3 +161,35 @@ class LlamaForCausalLM(nn.Module):
                 continue
             fused, shard = _FUSED[match.group(1)]
             yield WeightEntry(name, name.replace(f".{match.group(1)}.", f".{fused}."), shard, tensor)
+
+
+def config_fields(hf: dict[str, Any], hf_architecture: str) -> dict[str, Any]:
+    """ModelConfig fields from a Llama / Qwen2 / Qwen3 / Mistral config.json."""
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{hf_architecture} with mlp_bias=true is unsupported")
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    rope_theta, rope_scaling = rope(hf)
+    attention_bias = bool(hf.get("attention_bias", False))
+    uses_window = hf_architecture == "MistralForCausalLM" or hf.get("use_sliding_window", False)
+    window = hf.get("sliding_window") if uses_window else None
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hidden // heads,
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf["max_position_embeddings"],
+        hidden_act=hf.get("hidden_act", "silu"),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases and no o_proj bias; Llama/Qwen3's attention_bias covers both.
+        attention_bias=hf_architecture == "Qwen2ForCausalLM" or attention_bias,
+        o_proj_bias=hf_architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attention_bias,
+        qk_norm=hf_architecture == "Qwen3ForCausalLM",
+        sliding_window=window,
+        layer_types=layer_types(hf, hf["num_hidden_layers"], window),
+    )

@@ -1,41 +1,60 @@
-"""Hugging Face architecture names -> roseray model classes."""
+"""Hugging Face architecture names -> roseray model classes and their config.json parsers.
+
+Each model module defines the model class and `config_fields(hf, hf_architecture)`, which
+turns its config.json into ModelConfig fields (raising ValueError naming any feature it
+does not implement)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from torch import nn
 
 from roseray.config import ModelConfig
-from roseray.models.gpt2 import GPT2ForCausalLM
-from roseray.models.llama import LlamaForCausalLM
+from roseray.models import gpt2, llama
 
-# architecture in config.json -> (ModelConfig.architecture, class)
-_ARCHITECTURES: dict[str, tuple[str, type[nn.Module]]] = {
-    "GPT2LMHeadModel": ("gpt2", GPT2ForCausalLM),
-    "LlamaForCausalLM": ("llama", LlamaForCausalLM),
-    "MistralForCausalLM": ("llama", LlamaForCausalLM),
-    "Qwen2ForCausalLM": ("llama", LlamaForCausalLM),
-    "Qwen3ForCausalLM": ("llama", LlamaForCausalLM),
+
+class ArchitectureEntry(NamedTuple):
+    family: str  # ModelConfig.architecture
+    model_class: type[nn.Module]
+    config_fields: Callable[[dict[str, Any], str], dict[str, Any]]
+
+
+_GPT2 = ArchitectureEntry("gpt2", gpt2.GPT2ForCausalLM, gpt2.config_fields)
+_LLAMA = ArchitectureEntry("llama", llama.LlamaForCausalLM, llama.config_fields)
+
+_ARCHITECTURES: dict[str, ArchitectureEntry] = {
+    "GPT2LMHeadModel": _GPT2,
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _LLAMA,
 }
-_FAMILIES: dict[str, type[nn.Module]] = {"gpt2": GPT2ForCausalLM, "llama": LlamaForCausalLM}
+_FAMILIES: dict[str, type[nn.Module]] = {entry.family: entry.model_class for entry in _ARCHITECTURES.values()}
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(_ARCHITECTURES))
 
 
-def architecture_family(hf_architecture: str) -> str:
-    """'LlamaForCausalLM' -> 'llama'; ValueError listing the supported names otherwise."""
+def architecture_entry(hf_architecture: str) -> ArchitectureEntry:
+    """The entry for a config.json architecture name; ValueError listing the supported names otherwise."""
     if hf_architecture not in _ARCHITECTURES:
         raise ValueError(
             f"unsupported model architecture {hf_architecture!r}; "
             f"roseray supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return _ARCHITECTURES[hf_architecture][0]
+    return _ARCHITECTURES[hf_architecture]
+
+
+def architecture_family(hf_architecture: str) -> str:
+    """'LlamaForCausalLM' -> 'llama'; ValueError listing the supported names otherwise."""
+    return architecture_entry(hf_architecture).family
 
 
 def get_model_class(model_config: ModelConfig) -> type[nn.Module]:
     """The class for a ModelConfig: by its config.json architecture name, else by its family."""
     if model_config.hf_architecture:
-        architecture_family(model_config.hf_architecture)  # raises for an unsupported name
-        return _ARCHITECTURES[model_config.hf_architecture][1]
+        return architecture_entry(model_config.hf_architecture).model_class
     if model_config.architecture not in _FAMILIES:
         raise ValueError(f"unknown model family {model_config.architecture!r}; expected one of {sorted(_FAMILIES)}")
     return _FAMILIES[model_config.architecture]

@@ -44,7 +44,7 @@ class EngineProcessClient(EngineClient):
 
     def __init__(self, config: EngineConfig, *, pipe_fds: tuple[int, int] | None = None,
                  start_timeout_s: float | None = None) -> None:
-        model_config = load_model_config(config.model, revision=config.revision)
+        model_config = load_model_config(config.model, revision=config.revision, load_format=config.load_format)
         tokenizer = load_tokenizer(config.tokenizer, model_config)
         if pipe_fds is None:
             self._process, pipe_fds = self._spawn(config)

@@ -205,10 +205,18 @@ def test_unsupported_rope_type():
         model_config_from_hf(_llama_json(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
 
 
-def test_mistral_sliding_window_caps_max_positions():
+def test_mistral_sliding_window_is_per_layer():
     hf = _llama_json(architectures=["MistralForCausalLM"], sliding_window=32)
-    assert model_config_from_hf(hf).max_position_embeddings == 32
-    assert model_config_from_hf({**hf, "sliding_window": None}).max_position_embeddings == 64
+    config = model_config_from_hf(hf)
+    assert config.max_position_embeddings == 64 and config.sliding_window == 32
+    assert config.layer_types == ("sliding_attention",) * config.num_hidden_layers and config.is_sliding(0)
+    unwindowed = model_config_from_hf({**hf, "sliding_window": None})
+    assert unwindowed.sliding_window is None and not unwindowed.layer_types and not unwindowed.is_sliding(0)
+
+
+def test_unsupported_quantization_method_is_named():
+    with pytest.raises(ValueError, match="unsupported quantization method 'awq'"):
+        model_config_from_hf(_llama_json(quantization_config={"quant_method": "awq", "bits": 4}))
 
 
 # ---------------------------------------------------------------- presets

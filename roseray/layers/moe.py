@@ -1,0 +1,108 @@
+"""Sparse mixture-of-experts MLP: a router picks `top_k` of `num_experts` expert MLPs per
+token and their outputs are summed, weighted by the router's probabilities.
+
+Expert weights are stacked: `w13` [num_experts, 2 * intermediate, hidden] holds each
+expert's gate rows then up rows, `w2` [num_experts, hidden, intermediate] its down
+projection; `b13`, `b2` their biases when the model has them (gpt-oss). Checkpoints that
+store one tensor per expert and projection load as shards `(leaf, expert, part)` of these
+(part 0 = gate, 1 = up for w13; 0 for w2).
+
+`route` and `moe_reference` are the torch definitions (one matmul pair per expert that has
+tokens), used on CPU and as the test reference for the fused kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roseray.layers.activation import get_activation
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """How an expert combines its gate and up halves: `name` is a get_activation() name
+    applied as act(gate) * up, or "swiglu_clamped" (gpt-oss): gate and up clamped at
+    `limit`, out = (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    name: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.name == "swiglu_clamped":
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        return get_activation(self.name)(gate) * up
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_tokens, num_experts] logits -> (weights fp32, expert ids int64), each
+    [num_tokens, top_k]: softmax over all experts in fp32, the top_k largest, rescaled to
+    sum to 1 when `renormalize` (equal to a softmax over the chosen logits)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_reference(
+    hidden: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
+    weights: torch.Tensor,  # [num_tokens, top_k] fp32
+    ids: torch.Tensor,  # [num_tokens, top_k]
+    activation: ExpertActivation,
+    b13: torch.Tensor | None = None,  # [num_experts, 2 * intermediate]
+    b2: torch.Tensor | None = None,  # [num_experts, hidden]
+) -> torch.Tensor:
+    """The weighted sum of each token's chosen experts, one expert at a time."""
+    out = torch.zeros_like(hidden)
+    intermediate = w2.shape[2]
+    for expert in torch.unique(ids).tolist():
+        token, slot = torch.nonzero(ids == expert, as_tuple=True)
+        gate_up = F.linear(hidden[token], w13[expert], None if b13 is None else b13[expert])
+        expert_out = F.linear(activation(gate_up[:, :intermediate], gate_up[:, intermediate:]), w2[expert],
+                              None if b2 is None else b2[expert])  # fmt: skip
+        out.index_add_(0, token, (expert_out * weights[token, slot, None]).to(hidden.dtype))
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The experts of one MoE block (the router is the model's: it owns the logits' linear)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
+                 renormalize: bool = True, activation: ExpertActivation | None = None, bias: bool = False) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.activation = activation or ExpertActivation()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size), requires_grad=False) if bias else None
+        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False) if bias else None
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden [num_tokens, hidden_size], router_logits [num_tokens, num_experts] -> [num_tokens, hidden_size]."""
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        return moe_reference(hidden, self.w13, self.w2, weights, ids, self.activation, self.b13, self.b2)
+
+    # ------------------------------------------------------------ checkpoint loading
+
+    def checkpoint_shards(self, leaf: str) -> list[tuple[str, int, int]]:
+        """One shard per expert and part: (leaf, expert, 0 = gate | 1 = up) for w13 and b13,
+        (leaf, expert, 0) for w2 and b2. A checkpoint with stacked expert tensors yields one
+        entry per expert too (a view of its tensor)."""
+        parts = 2 if leaf in ("w13", "b13") else 1
+        return [(leaf, expert, part) for expert in range(self.num_experts) for part in range(parts)]
+
+    def shard(self, param: torch.Tensor, key: tuple[str, int, int]) -> torch.Tensor:
+        leaf, expert, part = key
+        if leaf in ("w13", "b13"):
+            return param[expert].narrow(0, part * self.intermediate_size, self.intermediate_size)
+        return param[expert]

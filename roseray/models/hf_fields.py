@@ -1,0 +1,58 @@
+"""Reading a Hugging Face config.json: the pieces every model module's `config_fields`
+shares (RoPE parameters, per-layer attention kinds, quantization), so each architecture's
+parser says only what is its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from roseray.layers.rotary import SUPPORTED_ROPE_TYPES
+
+# quantization_config.quant_method values roseray loads (none yet outside a model's own
+# format, e.g. gpt-oss's mxfp4 experts, which its module checks).
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
+
+
+def first(hf: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """The value of the first key that is set (not None)."""
+    return next((hf[k] for k in keys if hf.get(k) is not None), default)
+
+
+def rope(hf: dict[str, Any]) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from either the transformers 5 `rope_parameters`
+    or the older top-level `rope_theta` + `rope_scaling`."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if "full_attention" in params or "sliding_attention" in params:  # per layer kind (Gemma 3): the global one
+        params = dict(params.get("full_attention") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    if params.get("partial_rotary_factor", 1.0) != 1.0 or hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are unsupported")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    return theta, (None if kind == "default" else {**params, "rope_type": kind})
+
+
+def layer_types(hf: dict[str, Any], num_layers: int, sliding_window: int | None) -> tuple[str, ...]:
+    """Per-layer "full_attention" / "sliding_attention" from config.json's `layer_types`;
+    without it, every layer slides when a window is set, else none does."""
+    kinds = hf.get("layer_types")
+    if kinds:
+        kinds = tuple(kinds)
+        unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"unsupported layer_types {unknown}; supported: full_attention, sliding_attention")
+        if len(kinds) != num_layers:
+            raise ValueError(f"layer_types names {len(kinds)} layers; the model has {num_layers}")
+        if "sliding_attention" in kinds and not sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        return kinds
+    return ("sliding_attention",) * num_layers if sliding_window else ()
+
+
+def check_quantization(hf: dict[str, Any], model_supported: tuple[str, ...] = ()) -> None:
+    """One line naming a quantization method roseray does not implement for this model."""
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if method and method not in SUPPORTED_QUANTIZATION + model_supported:
+        supported = ", ".join(SUPPORTED_QUANTIZATION + model_supported) or "none"
+        raise ValueError(f"unsupported quantization method {method!r} in config.json; roseray loads: {supported}")
