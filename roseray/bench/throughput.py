@@ -1,6 +1,7 @@
 """Offline throughput of LLM.generate: output tokens / wall seconds (W-nano).
 
     python -m roseray.bench throughput --workload nano --out nano.json
+    python -m roseray.bench throughput --model /models/qwen3-30b-a3b --load-format dummy --max-model-len 4096
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from roseray.bench.common import print_table, write_result
 from roseray.bench.workloads import NANO_MODEL, nano_workload
+from roseray.config import LOAD_FORMATS
 from roseray.llm import LLM
 from roseray.sampling_params import SamplingParams
 
@@ -45,9 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--cuda-graph-max-tokens", type=int, default=None,
                         help="largest step with prefill chunks run as piecewise CUDA graphs (0 = eager)")
+    parser.add_argument("--load-format", default=None, choices=LOAD_FORMATS,
+                        help="dummy: random weights in the geometry of a directory holding config.json only")
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--out", default=None, help="write JSON here")
     args = parser.parse_args(argv)
     engine_args = {"enforce_eager": args.enforce_eager}
+    if args.load_format:
+        engine_args["load_format"] = args.load_format
+    if args.max_model_len:
+        engine_args["max_model_len"] = args.max_model_len
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.cuda_graph_max_tokens is not None:
@@ -58,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         ("prompt / output tokens", f"{result['prompt_tokens']:,} / {result['output_tokens']:,}"),
         ("wall", f"{result['wall_s']:.2f} s"),
         ("throughput", f"{result['output_tok_s']:,.0f} output tok/s"),
+        ("KV capacity", f"{result['kv_capacity_tokens']:,} tokens"),
         ("preemptions", str(result["num_preemptions"]))])
     write_result(args.out, "throughput", result)
     return 0

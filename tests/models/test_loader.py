@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from roseray import LLM, SamplingParams
 from roseray.models.loader import (
     load_model,
     load_model_config,
@@ -119,6 +120,26 @@ def test_no_safetensors(tiny_llama, tmp_path):
     (path / "model.safetensors").rename(path / "pytorch_model.bin")
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
         load_model_config(str(path))
+
+
+def test_load_format_dummy_needs_only_config_and_tokenizer(tiny_llama, tmp_path):
+    """A directory without weights builds seeded random weights in its geometry, through the
+    engine as through the loader; without load_format dummy it is an error."""
+    path = _copy(tiny_llama, tmp_path / "config-only")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        load_model_config(str(path))
+    config = load_model_config(str(path), load_format="dummy")
+    first = load_model(config, str(path), "cpu", torch.float32, seed=3, load_format="dummy").state_dict()
+    again = load_model(config, str(path), "cpu", torch.float32, seed=3, load_format="dummy").state_dict()
+    real = _load(tiny_llama).state_dict()
+    assert first.keys() == real.keys()
+    for name, tensor in first.items():
+        assert tensor.shape == real[name].shape and torch.equal(tensor, again[name]), name
+    assert not torch.equal(first["model.layers.0.mlp.down_proj.weight"], real["model.layers.0.mlp.down_proj.weight"])
+    llm = LLM(str(path), device="cpu", dtype="float32", load_format="dummy", num_kv_blocks=64)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_missing_shard_named_by_the_index(tmp_path):
