@@ -37,7 +37,9 @@ SUPPORTED_QUANTIZATION = ("mxfp4",)  # the released checkpoints' experts; see ro
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _QKV_NAME = re.compile(r"\.self_attn\.(q_proj|k_proj|v_proj)\.")
-_EXPERTS = re.compile(r"^(?P<layer>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<kind>|_bias|_blocks|_scales)$")
+_EXPERTS = re.compile(
+    r"^(?P<layer>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<kind>|_bias|_blocks|_scales)$"
+)
 _SKIPPED = ("rotary_emb.inv_freq",)
 
 
@@ -226,7 +228,9 @@ def config_fields(hf: dict[str, Any], hf_architecture: str) -> dict[str, Any]:
     num_experts = hf["num_local_experts"]
     top_k = first(hf, "num_experts_per_tok", "experts_per_token", default=4)
     if not 0 < top_k <= num_experts:
-        raise ValueError(f"{hf_architecture}: num_experts_per_tok={top_k} must be in 1..num_local_experts ({num_experts})")
+        raise ValueError(
+            f"{hf_architecture}: num_experts_per_tok={top_k} must be in 1..num_local_experts ({num_experts})"
+        )
     rope_theta, rope_scaling = rope(hf)
     window = hf.get("sliding_window")
     kinds = hf.get("layer_types")
