@@ -125,6 +125,24 @@ def test_mxfp4_checkpoint_loads_like_its_unquantized_twin(mxfp4_twins, dtype):
     assert experts.dtype == dtype and experts.abs().sum() > 0
 
 
+def test_mxfp4_blocks_and_scales_in_different_shards(mxfp4_twins, tmp_path):
+    plain, quantized = mxfp4_twins
+    sharded = tmp_path / "sharded"
+    shutil.copytree(quantized, sharded)
+    tensors = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    shards = {"a.safetensors": {}, "b.safetensors": {}}
+    for name, tensor in tensors.items():  # every scales tensor in the shard after its blocks
+        shards["b.safetensors" if name.endswith("_scales") else "a.safetensors"][name] = tensor
+    for file, part in shards.items():
+        save_file(part, sharded / file, metadata={"format": "pt"})
+    weight_map = {name: file for file, part in shards.items() for name in part}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    want, got = _load(plain).state_dict(), _load(sharded).state_dict()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def _logits(model, prompt: torch.Tensor) -> torch.Tensor:
     dtype = model.lm_head.weight.dtype
     for layer in model.modules():
