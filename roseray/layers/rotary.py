@@ -2,7 +2,8 @@
 
 The cos/sin table is computed once for every position up to max_position_embeddings and
 indexed by each token's position, so a flattened batch of any sequences rotates in one go.
-Supported `rope_scaling` types: default, linear, llama3.
+Supported `rope_scaling` types: default, linear, llama3, yarn (whose attention factor scales
+the cos/sin table itself, so every path that reads the table applies it).
 
 `RotaryEmbedding.rotate_qk` rotates a layer's q and k (after Qwen3's per-head q/k norm when
 given): on CUDA one in-place Triton launch that reads the fp32 table by position
@@ -18,7 +19,7 @@ from torch import nn
 
 from roseray.layers import fused
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_type(rope_scaling: dict | None) -> str:
@@ -44,7 +45,59 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
 
 
-def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
+def _yarn_factor(scaling: dict, max_position: int | None) -> tuple[float, int]:
+    """(factor, original context length); a missing factor is the ratio of the two lengths."""
+    original = scaling.get("original_max_position_embeddings") or max_position
+    if original is None:
+        raise ValueError("yarn rope_scaling needs original_max_position_embeddings")
+    factor = scaling.get("factor") or (max_position / original if max_position else None)
+    if factor is None:
+        raise ValueError("yarn rope_scaling needs factor")
+    return float(factor), int(original)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict, max_position: int | None) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than `beta_slow` times over the original context are
+    interpolated (frequency / factor), those turning more than `beta_fast` times are kept, and
+    the band between blends the two linearly by dimension index. `truncate` (default true)
+    rounds the band's ends outwards to whole dimensions."""
+    factor, original = _yarn_factor(scaling, max_position)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32.0, scaling.get("beta_slow") or 1.0
+
+    def dimension_of(rotations: float) -> float:  # the dimension index turning `rotations` times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a step instead of a ramp, without dividing by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: a fast dimension, kept (extrapolated); 0: a slow one, interpolated
+    wavelength_base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return 1.0 / (factor * wavelength_base) * (1 - kept) + 1.0 / wavelength_base * kept
+
+
+def rope_attention_factor(rope_scaling: dict | None, max_position: int | None = None) -> float:
+    """The factor RoPE's cos and sin are multiplied by: 1 except for yarn, where it is
+    `attention_factor` when given, else 0.1 * ln(factor) + 1 (DeepSeek's mscale /
+    mscale_all_dim ratio when both are given)."""
+    if rope_type(rope_scaling) != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor, _ = _yarn_factor(rope_scaling, max_position)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
+def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None,
+                     max_position: int | None = None) -> torch.Tensor:
     kind = rope_type(rope_scaling)
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -54,6 +107,8 @@ def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> 
         inv_freq = inv_freq / rope_scaling["factor"]
     elif kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(head_dim, theta, rope_scaling, max_position)
     return inv_freq
 
 
@@ -61,10 +116,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, rope_scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = compute_inv_freq(head_dim, theta, rope_scaling)
+        inv_freq = compute_inv_freq(head_dim, theta, rope_scaling, max_position)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.to(positions.device))  # [max_position, head_dim // 2]
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, head_dim], fp32
+        cos_sin *= rope_attention_factor(rope_scaling, max_position)
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ from typing import Any
 
 from roseray.layers.rotary import SUPPORTED_ROPE_TYPES
 
-# quantization_config.quant_method values roseray loads (none yet outside a model's own
-# format, e.g. gpt-oss's mxfp4 experts, which its module checks).
+# quantization_config.quant_method values roseray loads for every model (none yet); a model's
+# own formats (gpt-oss's mxfp4 experts) are named by its registry entry's supported_quantization.
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
 
 

@@ -106,7 +106,7 @@ def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None =
     """Normalise a config.json (and generation_config.json) into a ModelConfig."""
     hf_architecture = _architecture(hf)
     entry = architecture_entry(hf_architecture)
-    check_quantization(hf)
+    check_quantization(hf, entry.supported_quantization)
     fields = entry.config_fields(hf, hf_architecture)
     get_activation(fields["hidden_act"])  # unsupported activation: fail early
     return ModelConfig(

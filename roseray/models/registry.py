@@ -12,20 +12,25 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from roseray.config import ModelConfig
-from roseray.models import gpt2, llama
+from roseray.models import gpt2, gpt_oss, llama
 
 
 class ArchitectureEntry(NamedTuple):
     family: str  # ModelConfig.architecture
     model_class: type[nn.Module]
     config_fields: Callable[[dict[str, Any], str], dict[str, Any]]
+    # quantization_config.quant_method values this model loads beyond hf_fields.SUPPORTED_QUANTIZATION
+    supported_quantization: tuple[str, ...] = ()
 
 
 _GPT2 = ArchitectureEntry("gpt2", gpt2.GPT2ForCausalLM, gpt2.config_fields)
 _LLAMA = ArchitectureEntry("llama", llama.LlamaForCausalLM, llama.config_fields)
+_GPT_OSS = ArchitectureEntry("gpt_oss", gpt_oss.GptOssForCausalLM, gpt_oss.config_fields,
+                             supported_quantization=gpt_oss.SUPPORTED_QUANTIZATION)
 
 _ARCHITECTURES: dict[str, ArchitectureEntry] = {
     "GPT2LMHeadModel": _GPT2,
+    "GptOssForCausalLM": _GPT_OSS,
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,

@@ -16,6 +16,8 @@ from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -28,7 +30,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-KINDS = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
+KINDS = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gpt_oss")
 VOCAB_SIZE = 320  # >= the tokenizer's 256 bytes + merges + special tokens
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -66,6 +68,15 @@ def hf_config(kind: str):
     if kind == "mistral":
         return MistralConfig(**_COMMON, **_LLAMA_GEOMETRY, tie_word_embeddings=False, sliding_window=None,
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+    if kind == "gpt_oss":  # sliding(8)/full layers, sinks, 8 experts top-2, YaRN past 32 positions
+        return GptOssConfig(**_COMMON, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                            num_experts_per_tok=2, sliding_window=8, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                            layer_types=["sliding_attention", "full_attention"] * 2,
+                            swiglu_limit=0.3,  # low enough that the clamp acts on these tiny activations
+                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                             "original_max_position_embeddings": 32})  # fmt: skip
     raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
 
 
@@ -75,6 +86,7 @@ _MODEL_CLASSES = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "mistral": MistralForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 
@@ -89,6 +101,11 @@ def make_hf_model(kind: str, seed: int = 0) -> PreTrainedModel:
         for param in model.parameters():
             if param.dim() == 1:  # norm weights and biases
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):  # a sink logit near the scores' scale, so it matters
+                param.copy_(torch.randn_like(param))
+            elif name.endswith("_proj_bias"):  # stacked expert biases (initialised to zero)
+                param.copy_(torch.randn_like(param) * 0.1)
     return model
 
 

@@ -222,8 +222,8 @@ def test_new_style_rope_parameters():
 
 
 def test_unsupported_rope_type():
-    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
-        model_config_from_hf(_llama_json(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic'"):
+        model_config_from_hf(_llama_json(rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
 
 
 def test_mistral_sliding_window_is_per_layer():

@@ -54,8 +54,15 @@ def _run(model, prompts, spans, meta) -> list[torch.Tensor]:
     return list(logits.split([end - start for start, end in spans]))
 
 
+# Kinds whose layers have attention sinks or a window shorter than the prompts: the no-cache
+# forward (the memory-profiling run, outputs discarded) applies neither, by design.
+NO_CACHE_DIFFERS = ("gpt_oss",)
+
+
 def test_prefill_without_cache_matches_hf(checkpoint):
     kind, path, prompts, expected = checkpoint
+    if kind in NO_CACHE_DIFFERS:
+        pytest.skip("the no-cache forward applies no sliding window or sinks")
     model, _ = _load(path)
     spans = [(0, len(prompt)) for prompt in prompts]
     meta = step_metadata([([0] * 3, 0, len(prompt)) for prompt in prompts])
