@@ -106,13 +106,14 @@ def qwen3_moe_config_fields(hf: dict[str, Any], hf_architecture: str) -> dict[st
     every `decoder_sparse_step`-th layer outside `mlp_only_layers`."""
     if hf.get("shared_expert_intermediate_size"):
         raise ValueError(f"{hf_architecture} with shared experts (shared_expert_intermediate_size) is unsupported")
-    fields = llama.config_fields(hf, "Qwen3ForCausalLM")  # the attention and dense MLP are Qwen3's
+    fields = _attention_fields(hf, hf_architecture, "Qwen3ForCausalLM")
     num_layers = hf["num_hidden_layers"]
-    num_experts = first(hf, "num_experts", "num_local_experts", default=0)
+    num_experts = first(hf, "num_experts", "num_local_experts", default=128)  # absent keys: transformers' defaults
     step = hf.get("decoder_sparse_step") or 1
     dense = set(hf.get("mlp_only_layers") or ())
     sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0) if num_experts else ()
-    fields["moe"] = _moe_config(hf_architecture, num_experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"],
+    fields["moe"] = _moe_config(hf_architecture, num_experts, hf.get("num_experts_per_tok", 8),
+                                hf.get("moe_intermediate_size", 768),
                                 renormalize=bool(hf.get("norm_topk_prob", False)), sparse=sparse,
                                 num_layers=num_layers)  # fmt: skip
     return fields
@@ -122,12 +123,19 @@ def mixtral_config_fields(hf: dict[str, Any], hf_architecture: str) -> dict[str,
     """ModelConfig fields from a Mixtral config.json: Mistral's attention (every layer slides
     when sliding_window is set) and an MoE block of `intermediate_size` experts on every layer,
     renormalised top-k. Router jitter noise is a training-time perturbation: ignored."""
-    fields = llama.config_fields(hf, "MistralForCausalLM")  # the attention is Mistral's
+    fields = _attention_fields(hf, hf_architecture, "MistralForCausalLM")
     num_layers = hf["num_hidden_layers"]
-    fields["moe"] = _moe_config(hf_architecture, hf["num_local_experts"], hf.get("num_experts_per_tok", 2),
+    fields["moe"] = _moe_config(hf_architecture, hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2),
                                 hf["intermediate_size"], renormalize=True, sparse=tuple(range(num_layers)),
                                 num_layers=num_layers)  # fmt: skip
     return fields
+
+
+def _attention_fields(hf: dict[str, Any], hf_architecture: str, dense_architecture: str) -> dict[str, Any]:
+    """The fields of the dense architecture whose attention (and dense MLP) this one shares."""
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{hf_architecture} with mlp_bias=true is unsupported")
+    return llama.config_fields(hf, dense_architecture)
 
 
 def _moe_config(hf_architecture: str, num_experts: int, top_k: int, intermediate_size: int, *, renormalize: bool,

@@ -103,6 +103,7 @@ def test_mixtral_config(tiny_checkpoint):
         ("qwen3_moe", {"shared_expert_intermediate_size": 64},
          "Qwen3MoeForCausalLM with shared experts (shared_expert_intermediate_size) is unsupported"),
         ("qwen3_moe", {"num_experts_per_tok": 9}, "routes each token to 9 of 8 experts"),
+        ("qwen3_moe", {"mlp_bias": True}, "Qwen3MoeForCausalLM with mlp_bias=true is unsupported"),
         ("mixtral", {"num_experts_per_tok": 0}, "routes each token to 0 of 8 experts"),
         ("mixtral", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope_scaling type"),
         ("mixtral", {"hidden_act": "relu2"}, "unsupported activation 'relu2'"),
