@@ -13,7 +13,7 @@ on CPU the same layers run their torch code.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -82,16 +82,20 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(hidden)))
 
 
+# (config, layer index) -> that decoder layer's MLP: [num_tokens, hidden] -> [num_tokens, hidden]
+MLPFactory = Callable[[ModelConfig, int], nn.Module]
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. The residual stream travels beside the hidden states: each norm adds
     the previous sub-block's output to it and normalises the sum in one step."""
 
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, rotary_emb, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
@@ -108,7 +112,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, make_mlp: MLPFactory) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=vocab_parameter(config.vocab_size, config.hidden_size))
@@ -116,7 +120,7 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary_emb, i, make_mlp(config, i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -132,12 +136,17 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
         self.config = model_config
-        self.model = LlamaModel(model_config)
+        self.model = LlamaModel(model_config, self.make_mlp)
         self.lm_head = nn.Linear(model_config.hidden_size, model_config.vocab_size, bias=False, device="meta")
         if model_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head.weight = vocab_parameter(model_config.vocab_size, model_config.hidden_size)
+
+    def make_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        """The MLP of decoder layer `layer_index`: the dense gated MLP (a subclass may put
+        another block, e.g. a sparse mixture of experts, on some layers)."""
+        return LlamaMLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""

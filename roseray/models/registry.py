@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from roseray.config import ModelConfig
-from roseray.models import gpt2, gpt_oss, llama
+from roseray.models import gpt2, gpt_oss, llama, mixture_of_experts
 
 
 class ArchitectureEntry(NamedTuple):
@@ -27,14 +27,20 @@ _GPT2 = ArchitectureEntry("gpt2", gpt2.GPT2ForCausalLM, gpt2.config_fields)
 _LLAMA = ArchitectureEntry("llama", llama.LlamaForCausalLM, llama.config_fields)
 _GPT_OSS = ArchitectureEntry("gpt_oss", gpt_oss.GptOssForCausalLM, gpt_oss.config_fields,
                              supported_quantization=gpt_oss.SUPPORTED_QUANTIZATION)
+_QWEN3_MOE = ArchitectureEntry("qwen3_moe", mixture_of_experts.SparseMoEForCausalLM,
+                               mixture_of_experts.qwen3_moe_config_fields)
+_MIXTRAL = ArchitectureEntry("mixtral", mixture_of_experts.SparseMoEForCausalLM,
+                             mixture_of_experts.mixtral_config_fields)
 
 _ARCHITECTURES: dict[str, ArchitectureEntry] = {
     "GPT2LMHeadModel": _GPT2,
     "GptOssForCausalLM": _GPT_OSS,
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
+    "MixtralForCausalLM": _MIXTRAL,
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
+    "Qwen3MoeForCausalLM": _QWEN3_MOE,
 }
 _FAMILIES: dict[str, type[nn.Module]] = {entry.family: entry.model_class for entry in _ARCHITECTURES.values()}
 

@@ -12,7 +12,7 @@ import transformers
 from roseray import LLM, SamplingParams
 from tests.models.hf_models import make_tiny_model
 
-KINDS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "gpt_oss"]
+KINDS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss"]
 MAX_NEW = 12
 
 

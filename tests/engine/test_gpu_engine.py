@@ -29,7 +29,7 @@ def batch(n=24, seed=0):
     return [[rng.randrange(3, 200) for _ in range(rng.randint(1, 60))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2", "qwen3_moe", "mixtral"])
 def model_path(request, tiny_checkpoint):
     return tiny_checkpoint(request.param)
 

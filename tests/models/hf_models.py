@@ -22,15 +22,19 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
-KINDS = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gpt_oss")
+KINDS = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss")
 VOCAB_SIZE = 320  # >= the tokenizer's 256 bytes + merges + special tokens
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -42,6 +46,7 @@ _CORPUS = [
     "hello world, hello roseray: paged attention and continuous batching",
     "naïve café – déjà vu ✓ 日本語 🙂",
 ] * 20
+_MOE_KINDS = ("qwen3_moe", "mixtral")
 _COMMON = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
 _LLAMA_GEOMETRY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, rms_norm_eps=1e-6)  # fmt: skip
@@ -77,7 +82,22 @@ def hf_config(kind: str):
                             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                              "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                              "original_max_position_embeddings": 32})  # fmt: skip
+    if kind == "qwen3_moe":  # top-4 of 8 renormalised, layer 1 dense (mlp_only_layers), head_dim 32
+        return Qwen3MoeConfig(**_COMMON, **{**_LLAMA_GEOMETRY, "num_hidden_layers": 3}, head_dim=32,
+                              tie_word_embeddings=False, num_experts=8, num_experts_per_tok=4,
+                              moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                              mlp_only_layers=[1], rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                              )  # fmt: skip
+    if kind == "mixtral":  # top-2 of 8, every layer slides over 8 positions
+        return MixtralConfig(**_COMMON, **{**_LLAMA_GEOMETRY, "intermediate_size": 32}, tie_word_embeddings=False,
+                             num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e6})  # fmt: skip
     raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
+
+
+# Router weights scaled from N(0, 0.02) so each token's expert probabilities are far from uniform
+# and a wrong choice or weighting of experts shows in the logits.
+ROUTER_SCALE = 10.0
 
 
 _MODEL_CLASSES = {
@@ -87,25 +107,29 @@ _MODEL_CLASSES = {
     "qwen3": Qwen3ForCausalLM,
     "mistral": MistralForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
 }
 
 
-def make_hf_model(kind: str, seed: int = 0) -> PreTrainedModel:
-    """A seeded fp32 random model in eval mode. Norm weights are perturbed away from 1 so a
-    norm applied wrongly (or not at all) shows in the logits."""
-    config = hf_config(kind)
+def make_hf_model(kind: str, seed: int = 0, config=None) -> PreTrainedModel:
+    """A seeded fp32 random model in eval mode (of `config`, default hf_config(kind)). Norm
+    weights are perturbed away from 1 so a norm applied wrongly (or not at all) shows in the
+    logits; MoE routers are scaled by ROUTER_SCALE."""
+    config = config or hf_config(kind)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = _MODEL_CLASSES[kind](config).float().eval()
     with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:  # norm weights and biases
-                param.add_(torch.randn_like(param) * 0.1)
         for name, param in model.named_parameters():
             if name.endswith(".sinks"):  # a sink logit near the scores' scale, so it matters
                 param.copy_(torch.randn_like(param))
             elif name.endswith("_proj_bias"):  # stacked expert biases (initialised to zero)
                 param.copy_(torch.randn_like(param) * 0.1)
+            elif param.dim() == 1:  # norm weights and biases
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith("mlp.gate.weight") and kind in _MOE_KINDS:  # routers
+                param.mul_(ROUTER_SCALE)
     return model
 
 
@@ -132,14 +156,17 @@ def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return wrapped
 
 
-def make_tiny_model(kind: str, path: Path, max_shard_size: str | None = None, seed: int = 0) -> Path:
+def make_tiny_model(kind: str, path: Path, max_shard_size: str | None = None, seed: int = 0, config=None,
+                    save_original_format: bool = True) -> Path:
     """Save a tiny random `kind` model (+ tokenizer) to `path` as safetensors; pass e.g.
-    max_shard_size="20KB" to get a sharded checkpoint with model.safetensors.index.json."""
+    max_shard_size="20KB" to get a sharded checkpoint with model.safetensors.index.json.
+    MoE experts are saved one tensor per expert (the Hub's names); save_original_format=False
+    writes transformers' stacked layout instead (mlp.experts.gate_up_proj / down_proj)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = make_hf_model(kind, seed)
+    model = make_hf_model(kind, seed, config)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    model.save_pretrained(path, safe_serialization=True, save_original_format=save_original_format, **kwargs)
     make_tiny_tokenizer().save_pretrained(path)
     return path
 

@@ -64,6 +64,8 @@ def test_prefill_without_cache_matches_hf(checkpoint):
     if kind in NO_CACHE_DIFFERS:
         pytest.skip("the no-cache forward applies no sliding window or sinks")
     model, _ = _load(path)
+    if any(layer.sliding_window for layer in model.modules() if isinstance(layer, Attention)):
+        pytest.skip("the cache-less forward (memory profiling) ignores sliding windows; the paged test covers them")
     spans = [(0, len(prompt)) for prompt in prompts]
     meta = step_metadata([([0] * 3, 0, len(prompt)) for prompt in prompts])
     meta.slot_mapping.fill_(-1)  # no cache: nothing is written
