@@ -54,18 +54,13 @@ def _run(model, prompts, spans, meta) -> list[torch.Tensor]:
     return list(logits.split([end - start for start, end in spans]))
 
 
-# Kinds whose layers have attention sinks or a window shorter than the prompts: the no-cache
-# forward (the memory-profiling run, outputs discarded) applies neither, by design.
-NO_CACHE_DIFFERS = ("gpt_oss",)
-
-
 def test_prefill_without_cache_matches_hf(checkpoint):
     kind, path, prompts, expected = checkpoint
-    if kind in NO_CACHE_DIFFERS:
-        pytest.skip("the no-cache forward applies no sliding window or sinks")
     model, _ = _load(path)
-    if any(layer.sliding_window for layer in model.modules() if isinstance(layer, Attention)):
-        pytest.skip("the cache-less forward (memory profiling) ignores sliding windows; the paged test covers them")
+    layers = [module for module in model.modules() if isinstance(module, Attention)]
+    if any(layer.sliding_window or layer.sinks is not None for layer in layers):
+        pytest.skip("the cache-less forward (the memory-profiling run, outputs discarded) applies no sliding window "
+                    "or sinks; the paged test covers them")
     spans = [(0, len(prompt)) for prompt in prompts]
     meta = step_metadata([([0] * 3, 0, len(prompt)) for prompt in prompts])
     meta.slot_mapping.fill_(-1)  # no cache: nothing is written
