@@ -219,6 +219,7 @@ def fused_moe(
     num_experts, top_k = w13.shape[0], expert_ids.shape[1]
     assert w13.shape[2] == hidden_size and w2.shape == (num_experts, hidden_size, w13.shape[1] // 2), \
         (hidden.shape, w13.shape, w2.shape)
+    assert hidden.dtype == w13.dtype == w2.dtype, (hidden.dtype, w13.dtype, w2.dtype)
     if num_tokens == 0:
         return torch.empty_like(hidden)
     tiles = tiles or choose_tiles(num_tokens, top_k, num_experts)

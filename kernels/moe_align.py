@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 ALIGN_TRITON_MAX_ASSIGNMENTS = 4096  # untuned: the one-program kernel up to here, torch ops above
-ALIGN_CHUNK = 64  # assignments per loop step of the one-program kernel
+ALIGN_CHUNK = 64  # assignments (and blocks) per loop step of the one-program kernel
 ALIGN_NUM_WARPS = 4
 
 
@@ -75,17 +75,23 @@ def _align_kernel(
     tl.store(padded_ptr, total)
 
     # block b holds rows from b * BLOCK_M: its expert is the number of runs ending at or before it
+    # (EXPERTS_P2 past the padded count). Rows of a run past its expert's count are padding, and so
+    # are all rows past the padded count; the placements below write the others (disjoint stores).
+    starts = ends - padded
     for start in range(0, num_blocks, CHUNK):
         blocks = start + lanes
+        in_range = blocks < num_blocks
         expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=blocks < num_blocks)
-    for start in range(0, num_blocks * BLOCK_M, CHUNK):
-        rows = start + lanes
-        tl.store(sorted_ptr + rows, tl.zeros([CHUNK], dtype=tl.int32) + num_assignments,
-                 mask=rows < num_blocks * BLOCK_M)
-    tl.debug_barrier()  # the padding fill lands before the placements that overwrite it
+        tl.store(block_expert_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=in_range)
+        onehot = (expert[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS_P2]
+        run_start = tl.sum(onehot * starts[None, :], axis=1)
+        run_count = tl.sum(onehot * counts[None, :], axis=1)
+        rows = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [CHUNK, BLOCK_M]
+        is_padding = rows - run_start[:, None] >= run_count[:, None]
+        tl.store(sorted_ptr + rows, tl.zeros([CHUNK, BLOCK_M], dtype=tl.int32) + num_assignments,
+                 mask=is_padding & in_range[:, None])
 
-    cursor = ends - padded  # next free row of each expert
+    cursor = starts  # next free row of each expert
     for start in range(0, num_assignments, CHUNK):
         offs = start + lanes
         valid = offs < num_assignments
