@@ -170,7 +170,8 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, aligne
              out: torch.Tensor | None = None) -> torch.Tensor:
     """One grouped GEMM launch over all experts' tiles: out[assignment] = a[row] @ w[e].T (+ bias);
     gated: the first half of w's rows are gates, the second ups, and out = act(gate) * up;
-    route_weights [num_assignments] fp32: each output row scaled by its weight."""
+    route_weights [num_assignments] fp32: each output row scaled by its weight.
+    fp32 operands take at most 2 pipeline stages (their tiles need twice the shared memory)."""
     assert a.stride(-1) == 1 and w.is_contiguous(), (a.stride(), w.stride())
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     k_dim = w.shape[2]
@@ -192,7 +193,7 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, aligne
         ROUTE_WEIGHT=route_weights is not None, EVEN_K=k_dim % tile.block_k == 0,
         EVEN_N=n_out % tile.block_n == 0, DOT_PRECISION=_dot_precision(a.dtype),
         BLOCK_M=aligned.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=min(tile.num_stages, 2) if a.element_size() == 4 else tile.num_stages,
     )
     return out
 

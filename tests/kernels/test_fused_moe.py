@@ -184,6 +184,16 @@ def test_qwen3_30b_a3b_shape_low_precision_against_fp32_reference(num_tokens, dt
 
 
 @cuda_only
+def test_fp32_prefill_tiles_fit_and_match():
+    """A large step takes the 128-row tiles; in fp32 they fit (fewer stages) and match tightly."""
+    w13, w2, b13, b2 = make_experts(16, 256, 128, bias=True, scale=0.05)
+    hidden = torch.randn(2048, 256, device=DEVICE)
+    weights, ids = random_routing(2048, 16, 2)
+    want = moe_reference(hidden, w13, w2, weights, ids, ExpertActivation("silu"), b13, b2)
+    assert rel_err(fused_moe(hidden, w13, w2, weights, ids, "silu", b13, b2), want) < 1e-5
+
+
+@cuda_only
 @pytest.mark.parametrize("activation", ["gelu_tanh", "swiglu_clamped"])
 def test_biased_activations_in_bf16(activation):
     w13, w2, b13, b2 = make_experts(32, 512, 256, bias=True, scale=0.05)
@@ -196,7 +206,7 @@ def test_biased_activations_in_bf16(activation):
 
 
 @cuda_only
-@pytest.mark.parametrize("num_tokens", [4, 64])
+@pytest.mark.parametrize("num_tokens", [4, 64, 1024])  # 1024 x top-8: the torch align path
 def test_layer_replays_in_a_cuda_graph(num_tokens):
     shape = QWEN3_30B_A3B
     layer = FusedMoE(shape["num_experts"], shape["top_k"], shape["hidden"], shape["inter"]).to(DEVICE, torch.bfloat16)
