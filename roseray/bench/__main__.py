@@ -9,7 +9,7 @@ BENCHMARKS = {
     "throughput": ("roseray.bench.throughput", "offline throughput of LLM.generate (W-nano)"),
     "stream": ("roseray.bench.stream", "streaming decode through the async engine (W-seed)"),
     "serving": ("roseray.bench.serving", "W-seed through HTTP against the in-process engine, in one run"),
-    "kernels": ("roseray.bench.kernels", "Triton KV-append and paged-attention microbenchmarks"),
+    "kernels": ("roseray.bench.kernels", "Triton KV-append, paged-attention (and --moe: fused-MoE) microbenchmarks"),
     "step-overhead": ("roseray.bench.step_overhead", "host time per decode step outside the model forward"),
     "structured": ("roseray.bench.structured", "json_schema responses vs unconstrained, against any OpenAI server"),
     "json-tokenizer": ("roseray.bench.json_tokenizer", "a byte-level BPE tokenizer for W-json on random weights"),

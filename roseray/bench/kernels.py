@@ -1,6 +1,8 @@
-"""Kernel microbenchmarks: KV append and paged attention (Triton) on CUDA.
+"""Kernel microbenchmarks: KV append and paged attention (Triton) on CUDA; the fused MoE with --moe
+(roseray.bench.kernels_moe).
 
     python -m roseray.bench kernels [--out results.json] [--sweep]
+    python -m roseray.bench kernels --moe [--moe-tokens 1,64,8192] [--sweep] [--out results.json]
     python -m roseray.bench.kernels ...
 
 Times are medians of triton.testing.do_bench (CUDA events). Bandwidth counts the bytes a
@@ -17,12 +19,13 @@ import json
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import triton
-import triton.testing
 
+from roseray.bench import kernels_moe
+from roseray.bench.kernel_timing import Row, bandwidth, bench_copy, graph_us, median_us, rotating, try_time
 from roseray_kernels import kv_append, kv_append_index_put_baseline, paged_attention
 from roseray_kernels.kv_append import TOKENS_PER_PROGRAM, launch_kv_append
 from roseray_kernels.paged_attention import (
@@ -35,13 +38,11 @@ from roseray_kernels.paged_attention import (
     choose_num_splits,
 )
 
-H100_COPY_BW = 3.02e12  # bytes/s, read + written (BENCHMARKS.md)
 QWEN3 = dict(num_heads=16, num_kv_heads=8, head_dim=128, block_size=16)  # Qwen3-0.6B attention
 GPT2 = dict(num_heads=12, num_kv_heads=12, head_dim=64, block_size=16)  # GPT-2 (MHA: the dot-free decode)
 GPT2_BATCH = 128  # the W-seed benchmark: 128 sequences decoding, contexts 1..129
 GPT2_CACHE_BLOCKS = 16384  # 400 MB each for K and V in bf16: rotating input sets miss the 50 MB L2
 GPT2_INPUT_SETS = 4
-GRAPH_REPEATS = 50  # launches per captured graph when timing device time without launch gaps
 CACHE_BLOCKS = 3 * 16384  # per layer-cache tensor: 1.5 GiB each for K and V in bf16
 KV_APPEND_TOKENS = (64, 256, 8192, 32768)
 DECODE_CASES = ((256, 1024), (64, 1024), (1, 32768), (4, 16384), (16, 8192), (64, 4096))  # (batch, context)
@@ -55,51 +56,6 @@ PREFILL_CASES = {  # name: (cached prefix, query_len) per sequence
 @triton.jit
 def _empty_kernel(x_ptr):
     pass
-
-
-@dataclass
-class Row:
-    name: str
-    us: float
-    extra: dict = field(default_factory=dict)
-
-    def text(self) -> str:
-        bits = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.extra.items()]
-        return f"{self.name:<58} {self.us:10.2f} us   " + "  ".join(bits)
-
-
-# ---------------------------------------------------------------------------------------
-# Timing helpers
-# ---------------------------------------------------------------------------------------
-def median_us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def graph_us(fn, repeats: int = GRAPH_REPEATS) -> float:
-    """Device time per call without host launch gaps: `repeats` calls captured in one graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    return median_us(graph.replay) / repeats
-
-
-def rotating(fns):
-    """One callable that cycles through several input sets (keeps L2 from serving repeats)."""
-    state = {"i": 0}
-
-    def call():
-        state["i"] = (state["i"] + 1) % len(fns)
-        fns[state["i"]]()
-
-    return call
-
-
-def bandwidth(nbytes: float, us: float, copy_bw: float) -> dict:
-    bw = nbytes / (us * 1e-6)
-    return {"GB/s": bw / 1e9, "%3.02TB/s": 100 * bw / H100_COPY_BW, "%copy": 100 * bw / copy_bw}
 
 
 # ---------------------------------------------------------------------------------------
@@ -153,14 +109,6 @@ def attend(batch: DecodeBatch, k_cache, v_cache, max_seq_len: int, num_splits=No
 # ---------------------------------------------------------------------------------------
 # Benchmarks
 # ---------------------------------------------------------------------------------------
-def bench_copy(device) -> tuple[Row, float]:
-    src = torch.randn(2**28, dtype=torch.bfloat16, device=device)  # 512 MiB
-    dst = torch.empty_like(src)
-    us = median_us(lambda: dst.copy_(src))
-    bw = 2 * src.numel() * src.element_size() / (us * 1e-6)
-    return Row("device-to-device copy 512 MiB", us, {"GB/s": bw / 1e9}), bw
-
-
 def bench_empty(device) -> list[Row]:
     x = torch.empty(1, device=device)
     launch = lambda: _empty_kernel[(1,)](x)  # noqa: E731
@@ -292,7 +240,7 @@ def sweep_decode_tiles(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadl
                 cfg = KernelConfig(block_n, num_warps, num_stages)
                 fn = lambda cfg=cfg: _launch_decode(decode.query, k_cache, v_cache, out, decode.qsl,  # noqa: E731
                                                     decode.seq_lens, decode.tables, scale, 1, cfg)
-                rows.append(_try(f"sweep decode 256x1024 n{block_n} w{num_warps} s{num_stages}", fn,
+                rows.append(try_time(f"sweep decode 256x1024 n{block_n} w{num_warps} s{num_stages}", fn,
                                  lambda us: bandwidth(decode.kv_bytes, us, copy_bw)))
     return rows
 
@@ -313,9 +261,9 @@ def sweep_decode_mha(gpt2, copy_bw, deadline) -> list[Row]:
             if time.time() > deadline:
                 return rows + [Row("sweep stopped at its deadline", 0.0)]
             tag = "dot" if use_dot else "dot-free"
-            rows.append(_try(f"sweep decode GPT-2 {GPT2_BATCH} x {name} {tag} n{block_n} w{num_warps} s{num_stages}",
-                             gpt2_decode_fn(batches, k_cache, v_cache, cfg),
-                             lambda us, b=batches[0]: bandwidth(b.kv_bytes, us, copy_bw), graph=True))
+            label = f"sweep decode GPT-2 {GPT2_BATCH} x {name} {tag} n{block_n} w{num_warps} s{num_stages}"
+            rows.append(try_time(label, gpt2_decode_fn(batches, k_cache, v_cache, cfg),
+                                 lambda us, b=batches[0]: bandwidth(b.kv_bytes, us, copy_bw), graph=True))
     return rows
 
 
@@ -326,7 +274,7 @@ def sweep_splits(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline) -
         for splits in (1, 2, 4, 8, 16, 32, 64, 128):
             if splits * 256 > ctx or time.time() > deadline:
                 continue
-            rows.append(_try(f"sweep decode {batch_size}x{ctx} splits {splits}",
+            rows.append(try_time(f"sweep decode {batch_size}x{ctx} splits {splits}",
                              attend(batch, k_cache, v_cache, ctx, num_splits=splits),
                              lambda us, b=batch: bandwidth(b.kv_bytes, us, copy_bw)))
     return rows
@@ -345,7 +293,7 @@ def sweep_prefill_tiles(k_cache, v_cache, copy_bw, empty_us, dtype, device, dead
         cfg = KernelConfig(block_n, num_warps, num_stages, block_m)
         fn = lambda cfg=cfg: _launch_general(prefill.query, k_cache, v_cache, pout, prefill.qsl,  # noqa: E731
                                              prefill.seq_lens, prefill.tables, scale, cfg)
-        rows.append(_try(f"sweep prefill 8x512/3584 m{block_m} n{block_n} w{num_warps} s{num_stages}", fn,
+        rows.append(try_time(f"sweep prefill 8x512/3584 m{block_m} n{block_n} w{num_warps} s{num_stages}", fn,
                          lambda us: {"TFLOP/s": prefill.flops / (us * 1e-6) / 1e12}))
     return rows
 
@@ -365,16 +313,8 @@ def sweep_kv_append(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline
                                                                       slots, bt, nw)
                 graph = num_tokens <= 256  # small steps: device time in a graph (launch cost is the same for all)
                 name = f"sweep kv_append {num_tokens} t{block_t} w{num_warps}" + (" (graph)" if graph else "")
-                rows.append(_try(name, fn, lambda us: bandwidth(nbytes, us, copy_bw), graph=graph))
+                rows.append(try_time(name, fn, lambda us: bandwidth(nbytes, us, copy_bw), graph=graph))
     return rows
-
-
-def _try(name, fn, extra_of, graph=False) -> Row:
-    try:
-        us = graph_us(fn) if graph else median_us(fn)
-        return Row(name, us, extra_of(us))
-    except Exception as exc:  # a tile shape that does not compile or fit is a result too
-        return Row(name, float("nan"), {"error": type(exc).__name__ + ": " + str(exc)[:80]})
 
 
 # ---------------------------------------------------------------------------------------
@@ -388,10 +328,15 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"also sweep tile shapes / split counts: comma list of {','.join(SWEEP_PARTS)} "
                              "(default all)")
     parser.add_argument("--sweep-seconds", type=float, default=150.0, help="stop the sweep after this long")
+    parser.add_argument("--moe", action="store_true", help="the fused-MoE benchmark (Qwen3-30B-A3B experts) instead "
+                        "of the attention kernels; with --sweep, its tile sweep")
+    parser.add_argument("--moe-tokens", default="", help="--moe: comma list of token counts (default 1..8192)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel benchmarks need a CUDA device", file=sys.stderr)
         return 2
+    if args.moe:
+        return kernels_moe.run(args.dtype, args.moe_tokens, bool(args.sweep), args.sweep_seconds, args.out)
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     torch.manual_seed(0)
 

@@ -8,7 +8,9 @@ store one tensor per expert and projection load as shards `(leaf, expert, part)`
 (part 0 = gate, 1 = up for w13; 0 for w2).
 
 `route` and `moe_reference` are the torch definitions (one matmul pair per expert that has
-tokens), used on CPU and as the test reference for the fused kernel.
+tokens), used on CPU and as the test reference for the fused kernel. On CUDA the experts run
+as roseray_kernels.fused_moe (two grouped GEMM launches, no host syncs: CUDA-graph capturable);
+the router stays torch.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roseray.layers import fused
 from roseray.layers.activation import get_activation
+
+# get_activation() names -> the fused kernel's activations (the same functions)
+KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+                      "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu",
+                      "swiglu_clamped": "swiglu_clamped"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,10 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [num_tokens, hidden_size], router_logits [num_tokens, num_experts] -> [num_tokens, hidden_size]."""
         weights, ids = route(router_logits, self.top_k, self.renormalize)
+        if fused.use_triton(hidden):
+            act = self.activation
+            return fused.fused_moe(hidden, self.w13, self.w2, weights, ids, KERNEL_ACTIVATIONS[act.name],
+                                   self.b13, self.b2, alpha=act.alpha, limit=act.limit)
         return moe_reference(hidden, self.w13, self.w2, weights, ids, self.activation, self.b13, self.b2)
 
     # ------------------------------------------------------------ checkpoint loading
