@@ -238,14 +238,14 @@ def combine_splits_kernel(
     m = tl.load(part_ml_ptr + part * 2)
     l = tl.load(part_ml_ptr + part * 2 + 1)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])  # [SPLITS, D]
-    m_max = tl.max(m, 0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
-        m_max = tl.maximum(m_max, sink)
-    w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l, 0)
-    if HAS_SINKS:
-        denom += tl.exp2(sink - m_max)
+        m_max = tl.maximum(tl.max(m, 0), sink)
+        w = tl.exp2(m - m_max)
+        denom = tl.sum(w * l, 0) + tl.exp2(sink - m_max)
+    else:
+        w = tl.exp2(m - tl.max(m, 0))
+        denom = tl.sum(w * l, 0)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)  # [D]
     o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
