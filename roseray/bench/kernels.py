@@ -46,6 +46,7 @@ GPT2_INPUT_SETS = 4
 CACHE_BLOCKS = 3 * 16384  # per layer-cache tensor: 1.5 GiB each for K and V in bf16
 KV_APPEND_TOKENS = (64, 256, 8192, 32768)
 DECODE_CASES = ((256, 1024), (64, 1024), (1, 32768), (4, 16384), (16, 8192), (64, 4096))  # (batch, context)
+DECODE_WINDOW_CASES = ((64, 8192, 1024), (4, 32768, 4096))  # (batch, context, sliding window)
 PREFILL_CASES = {  # name: (cached prefix, query_len) per sequence
     "prefill 4 x 2048 fresh": [(0, 2048)] * 4,
     "prefill chunks 8 x 512 over 3584 cached": [(3584, 512)] * 8,
@@ -101,9 +102,10 @@ def make_batch(k_cache, seqs, dtype, device, num_heads: int = QWEN3["num_heads"]
                        kv_bytes, flops)
 
 
-def attend(batch: DecodeBatch, k_cache, v_cache, max_seq_len: int, num_splits=None):
+def attend(batch: DecodeBatch, k_cache, v_cache, max_seq_len: int, num_splits=None, **options):
     return lambda: paged_attention(batch.query, k_cache, v_cache, batch.qsl, batch.seq_lens, batch.tables,
-                                   QWEN3["head_dim"] ** -0.5, batch.max_query_len, max_seq_len, num_splits=num_splits)
+                                   QWEN3["head_dim"] ** -0.5, batch.max_query_len, max_seq_len, num_splits=num_splits,
+                                   **options)
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,6 +160,19 @@ def bench_decode(k_cache, v_cache, copy_bw, dtype, device) -> list[Row]:
                             bandwidth(batch.kv_bytes, hint, copy_bw)))
             g_us = graph_us(attend(batch, k_cache, v_cache, 40960), repeats=10)
             rows.append(Row("  same, device time in a CUDA graph", g_us, bandwidth(batch.kv_bytes, g_us, copy_bw)))
+    return rows
+
+
+def bench_decode_window(k_cache, v_cache, copy_bw, dtype, device) -> list[Row]:
+    """Decode of a sliding layer against the same batch without a window: only the window's blocks are
+    read, so the time follows the window (bandwidth counts the window's K/V bytes)."""
+    rows = []
+    for batch_size, ctx, window in DECODE_WINDOW_CASES:
+        batch = make_batch(k_cache, [(ctx - 1, 1)] * batch_size, dtype, device)
+        full_us = median_us(attend(batch, k_cache, v_cache, ctx))
+        us = median_us(attend(batch, k_cache, v_cache, ctx, sliding_window=window))
+        rows.append(Row(f"decode attention batch {batch_size} x ctx {ctx}, window {window}", us,
+                        {"us_no_window": full_us, **bandwidth(batch.kv_bytes * window / ctx, us, copy_bw)}))
     return rows
 
 
@@ -346,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     k_cache, v_cache = make_cache(CACHE_BLOCKS, dtype, device)
     rows += bench_kv_append(k_cache, v_cache, copy_bw, empty_us, dtype, device)
     rows += bench_decode(k_cache, v_cache, copy_bw, dtype, device)
+    rows += bench_decode_window(k_cache, v_cache, copy_bw, dtype, device)
     gpt2 = gpt2_decode_cases(dtype, device)
     rows += bench_decode_gpt2(gpt2, copy_bw)
     rows += bench_prefill(k_cache, v_cache, copy_bw, dtype, device)

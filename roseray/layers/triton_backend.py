@@ -2,7 +2,9 @@
 
 Implements the AttentionBackend protocol of roseray.layers.attention. Both calls are
 CUDA-graph capturable for decode steps: they read lengths and tables from device memory
-and size their grids from shapes and the metadata's python ints only.
+and size their grids from shapes and the metadata's python ints only. A layer's options
+are constants of the layer (the window and softcap python numbers, the sinks a parameter
+whose address does not change), so a captured step replays them as they were.
 """
 
 from __future__ import annotations
@@ -39,11 +41,10 @@ class TritonAttentionBackend:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        if sliding_window is not None or softcap is not None or sinks is not None:
-            raise NotImplementedError("the Triton paged attention has no sliding window, softcap or sinks yet")
         num_seqs = meta.num_seqs
         return paged_attention(
             query, k_cache, v_cache,
             meta.query_start_loc[: num_seqs + 1], meta.seq_lens[:num_seqs], meta.block_tables[:num_seqs],
             scale, meta.max_query_len, meta.max_seq_len, out=out,
+            sliding_window=sliding_window, softcap=softcap, sinks=sinks,
         )

@@ -125,10 +125,11 @@ def test_silu_and_mul_matches_reference(dtype):
 # --- RoPE (+ q/k norm), in place --------------------------------------------------------
 
 
+@pytest.mark.parametrize("head_dim", [16, 256])  # 256: Gemma's heads (8 warps: (4 + 2) x 256 > 4096 elements)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_qk_in_place_matches_reference(qk_norm, dtype):
-    tokens, heads, kv_heads, head_dim = 6 * SCALE, 4, 2, 16
+def test_rotary_qk_in_place_matches_reference(qk_norm, dtype, head_dim):
+    tokens, heads, kv_heads = 6 * SCALE, 4, 2
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
