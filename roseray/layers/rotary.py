@@ -2,7 +2,7 @@
 
 The cos/sin table is computed once for every position up to max_position_embeddings and
 indexed by each token's position, so a flattened batch of any sequences rotates in one go.
-Supported `rope_scaling` types: default, linear, llama3.
+Supported `rope_scaling` types: default, linear, llama3, longrope.
 
 `RotaryEmbedding.rotate_qk` rotates a layer's q and k (after Qwen3's per-head q/k norm when
 given): on CUDA one in-place Triton launch that reads the fp32 table by position
@@ -18,7 +18,7 @@ from torch import nn
 
 from roseray.layers import fused
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_type(rope_scaling: dict | None) -> str:
@@ -44,7 +44,40 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
 
 
-def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
+def _longrope_inv_freq(inv_freq: torch.Tensor, scaling: dict, max_position: int) -> torch.Tensor:
+    """LongRoPE (Phi-3): each frequency divided by its own factor, `long_factor` when the model's
+    context reaches past `original_max_position_embeddings`, else `short_factor`.
+
+    Transformers picks the factors per forward by the longest sequence in it, so a sequence that
+    grows past the original length changes the rotation of the keys already cached. A batched
+    engine with a paged cache needs one rotation per position for every request: like vLLM
+    (which chooses by max_model_len), the choice is made once, for the whole model, by the
+    context it serves (`max_position`, the table's length)."""
+    long = max_position > scaling.get("original_max_position_embeddings", max_position)
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"longrope factors have {factors.numel()} entries; head_dim {2 * inv_freq.numel()} "
+                         f"needs {inv_freq.numel()}")
+    return inv_freq / factors
+
+
+def rope_attention_factor(rope_scaling: dict | None, max_position: int) -> float:
+    """What cos and sin are multiplied by: LongRoPE's attention scaling (`attention_factor`, else
+    sqrt(1 + ln(factor) / ln(original length)) with factor = max_position / original length
+    unless given; the original length defaults to max_position), 1 for the other types."""
+    if rope_type(rope_scaling) != "longrope":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    original = rope_scaling.get("original_max_position_embeddings", max_position)
+    factor = rope_scaling.get("factor") or max_position / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None,
+                     max_position: int | None = None) -> torch.Tensor:
+    """The [head_dim // 2] inverse frequencies; `max_position` (the table's length) is needed by
+    longrope only."""
     kind = rope_type(rope_scaling)
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -54,6 +87,8 @@ def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> 
         inv_freq = inv_freq / rope_scaling["factor"]
     elif kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+    elif kind == "longrope":
+        inv_freq = _longrope_inv_freq(inv_freq, rope_scaling, max_position)
     return inv_freq
 
 
@@ -61,10 +96,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, rope_scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq = compute_inv_freq(head_dim, theta, rope_scaling)
+        inv_freq = compute_inv_freq(head_dim, theta, rope_scaling, max_position)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.to(positions.device))  # [max_position, head_dim // 2]
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, head_dim], fp32
+        cos_sin *= rope_attention_factor(rope_scaling, max_position)
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from roseray.config import ModelConfig
-from roseray.models import gpt2, llama
+from roseray.models import gemma, gpt2, llama, phi3
 
 
 class ArchitectureEntry(NamedTuple):
@@ -23,11 +23,16 @@ class ArchitectureEntry(NamedTuple):
 
 _GPT2 = ArchitectureEntry("gpt2", gpt2.GPT2ForCausalLM, gpt2.config_fields)
 _LLAMA = ArchitectureEntry("llama", llama.LlamaForCausalLM, llama.config_fields)
+_GEMMA = ArchitectureEntry("gemma", gemma.GemmaForCausalLM, gemma.config_fields)
+_PHI3 = ArchitectureEntry("phi3", phi3.Phi3ForCausalLM, phi3.config_fields)
 
 _ARCHITECTURES: dict[str, ArchitectureEntry] = {
     "GPT2LMHeadModel": _GPT2,
+    "Gemma2ForCausalLM": _GEMMA,
+    "Gemma3ForCausalLM": _GEMMA,
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
+    "Phi3ForCausalLM": _PHI3,
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
 }
