@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from roseray.layers.linear import MergedLinear, WeightEntry
 from roseray.models.hf_fields import layer_types, rope
@@ -26,7 +27,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def _entries(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[WeightEntry]:
         for entry in super()._entries(weights):
             owner_name, _, leaf = entry.param_name.rpartition(".")
-            owner = self.get_submodule(owner_name) if entry.shard is None and owner_name else None
+            owner = self._module(owner_name) if entry.shard is None else None
             if not isinstance(owner, MergedLinear):
                 yield entry
                 continue
@@ -36,6 +37,12 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                                  f"expected {rows} rows (does config.json match the checkpoint?)")
             for index in owner.checkpoint_shards(leaf):
                 yield WeightEntry(entry.checkpoint_name, entry.param_name, index, owner.shard(entry.tensor, index))
+
+    def _module(self, name: str) -> nn.Module | None:
+        try:
+            return self.get_submodule(name)
+        except AttributeError:
+            return None  # an unknown name: load_weight_entries reports it
 
 
 def _rope_fields(hf: dict[str, Any]) -> tuple[float, dict | None]:

@@ -158,6 +158,16 @@ def test_phi3_fused_checkpoint_tensors_of_the_wrong_size_are_a_clear_error(tiny_
         _load(path)
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "phi3"])
+def test_unexpected_checkpoint_tensor_is_a_clear_error(kind, tiny_checkpoint, tmp_path):
+    path = shutil.copytree(tiny_checkpoint(kind), tmp_path / kind)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.extra.weight"] = torch.zeros(4)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.0.extra.weight'"):
+        _load(path)
+
+
 def _dummy_dir(src, dst):
     """The checkpoint's config.json and tokenizer files, without weights."""
     dst.mkdir()
