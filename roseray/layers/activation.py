@@ -34,15 +34,16 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 class GatedActivation(nn.Module):
     """act(gate) * up, where the input is the concatenation [gate | up] along the last dim.
-    SiLU on CUDA is one fused Triton kernel (roseray_kernels.activation)."""
+    SiLU and GELU-tanh on CUDA are one fused Triton kernel (roseray_kernels.activation)."""
 
     def __init__(self, name: str = "silu") -> None:
         super().__init__()
         self.act = get_activation(name)
-        self.is_silu = self.act is F.silu
+        self.fused_name = "silu" if self.act is F.silu else "gelu_tanh" if self.act is _gelu_tanh else None
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.is_silu and gate_up.dim() == 2 and fused.use_triton(gate_up):
-            return fused.silu_and_mul(gate_up)
+        if self.fused_name is not None and gate_up.dim() == 2 and fused.use_triton(gate_up):
+            kernel = fused.silu_and_mul if self.fused_name == "silu" else fused.gelu_tanh_and_mul
+            return kernel(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # each [num_tokens, intermediate_size]
         return self.act(gate) * up

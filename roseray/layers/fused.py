@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 try:
-    from roseray_kernels.activation import silu_and_mul
+    from roseray_kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from roseray_kernels.fused_moe import fused_moe
     from roseray_kernels.fused_norm import layernorm, rmsnorm
     from roseray_kernels.rotary import rotary_qk_
@@ -23,12 +23,12 @@ try:
 
     HAVE_TRITON = True
 except ImportError:  # Triton is not installed (not Linux): the torch paths need none
-    silu_and_mul = layernorm = rmsnorm = rotary_qk_ = gumbel_max_sample = variant_row_counts = None
-    apply_token_bitmask_ = fused_moe = None
+    silu_and_mul = gelu_tanh_and_mul = layernorm = rmsnorm = rotary_qk_ = gumbel_max_sample = None
+    variant_row_counts = apply_token_bitmask_ = fused_moe = None
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "apply_token_bitmask_", "fused_moe", "gumbel_max_sample", "variant_row_counts", "layernorm",
-           "rmsnorm", "rotary_qk_", "silu_and_mul", "fused_kernels", "use_triton"]
+__all__ = ["HAVE_TRITON", "apply_token_bitmask_", "fused_moe", "gelu_tanh_and_mul", "gumbel_max_sample",
+           "variant_row_counts", "layernorm", "rmsnorm", "rotary_qk_", "silu_and_mul", "fused_kernels", "use_triton"]
 
 _OVERRIDE: bool | None = None  # set by fused_kernels(): True/False everywhere, None = CUDA tensors only
 

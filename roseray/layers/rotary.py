@@ -2,8 +2,9 @@
 
 The cos/sin table is computed once for every position up to max_position_embeddings and
 indexed by each token's position, so a flattened batch of any sequences rotates in one go.
-Supported `rope_scaling` types: default, linear, llama3, yarn (whose attention factor scales
-the cos/sin table itself, so every path that reads the table applies it).
+Supported `rope_scaling` types: default, linear, llama3, yarn, longrope (the attention factor
+of yarn and longrope scales the cos/sin table itself, so every path that reads the table
+applies it).
 
 `RotaryEmbedding.rotate_qk` rotates a layer's q and k (after Qwen3's per-head q/k norm when
 given): on CUDA one in-place Triton launch that reads the fp32 table by position
@@ -19,7 +20,7 @@ from torch import nn
 
 from roseray.layers import fused
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_type(rope_scaling: dict | None) -> str:
@@ -79,25 +80,54 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict, max_position: int
     return 1.0 / (factor * wavelength_base) * (1 - kept) + 1.0 / wavelength_base * kept
 
 
+def _longrope_inv_freq(inv_freq: torch.Tensor, scaling: dict, max_position: int) -> torch.Tensor:
+    """LongRoPE (Phi-3): each frequency divided by its own factor, `long_factor` when the model's
+    context reaches past `original_max_position_embeddings`, else `short_factor`.
+
+    Transformers picks the factors per forward by the longest sequence in it, so a sequence that
+    grows past the original length changes the rotation of the keys already cached. A batched
+    engine with a paged cache needs one rotation per position for every request: like vLLM
+    (which chooses by max_model_len), the choice is made once, for the whole model, by the
+    context it serves (`max_position`, the table's length)."""
+    long = max_position > scaling.get("original_max_position_embeddings", max_position)
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"longrope factors have {factors.numel()} entries; head_dim {2 * inv_freq.numel()} "
+                         f"needs {inv_freq.numel()}")
+    return inv_freq / factors
+
+
 def rope_attention_factor(rope_scaling: dict | None, max_position: int | None = None) -> float:
-    """The factor RoPE's cos and sin are multiplied by: 1 except for yarn, where it is
-    `attention_factor` when given, else 0.1 * ln(factor) + 1 (DeepSeek's mscale /
-    mscale_all_dim ratio when both are given)."""
-    if rope_type(rope_scaling) != "yarn":
-        return 1.0
-    if rope_scaling.get("attention_factor") is not None:
-        return float(rope_scaling["attention_factor"])
-    factor, _ = _yarn_factor(rope_scaling, max_position)
+    """The factor RoPE's cos and sin are multiplied by; 1 except for
+    - yarn: `attention_factor` when given, else 0.1 * ln(factor) + 1 (DeepSeek's mscale /
+      mscale_all_dim ratio when both are given);
+    - longrope: `attention_factor` when given, else sqrt(1 + ln(factor) / ln(original length))
+      with factor = max_position / original length unless given (the original length
+      defaults to max_position)."""
+    kind = rope_type(rope_scaling)
+    if kind == "yarn":
+        if rope_scaling.get("attention_factor") is not None:
+            return float(rope_scaling["attention_factor"])
+        factor, _ = _yarn_factor(rope_scaling, max_position)
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
-    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+        return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    if kind == "longrope":
+        if rope_scaling.get("attention_factor") is not None:
+            return float(rope_scaling["attention_factor"])
+        original = rope_scaling.get("original_max_position_embeddings", max_position)
+        factor = rope_scaling.get("factor") or max_position / original
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return 1.0
 
 
 def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None,
                      max_position: int | None = None) -> torch.Tensor:
+    """The [head_dim // 2] inverse frequencies; `max_position` (the table's length) is needed by
+    longrope, and by yarn when its scaling omits the original length or the factor."""
     kind = rope_type(rope_scaling)
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -109,6 +139,8 @@ def compute_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None,
         inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
     elif kind == "yarn":
         inv_freq = _yarn_inv_freq(head_dim, theta, rope_scaling, max_position)
+    elif kind == "longrope":
+        inv_freq = _longrope_inv_freq(inv_freq, rope_scaling, max_position)
     return inv_freq
 
 

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from roseray.config import ModelConfig
-from roseray.models import gpt2, gpt_oss, llama, mixture_of_experts
+from roseray.models import gemma, gpt2, gpt_oss, llama, mixture_of_experts, phi3
 
 
 class ArchitectureEntry(NamedTuple):
@@ -31,13 +31,18 @@ _QWEN3_MOE = ArchitectureEntry("qwen3_moe", mixture_of_experts.SparseMoEForCausa
                                mixture_of_experts.qwen3_moe_config_fields)
 _MIXTRAL = ArchitectureEntry("mixtral", mixture_of_experts.SparseMoEForCausalLM,
                              mixture_of_experts.mixtral_config_fields)
+_GEMMA = ArchitectureEntry("gemma", gemma.GemmaForCausalLM, gemma.config_fields)
+_PHI3 = ArchitectureEntry("phi3", phi3.Phi3ForCausalLM, phi3.config_fields)
 
 _ARCHITECTURES: dict[str, ArchitectureEntry] = {
     "GPT2LMHeadModel": _GPT2,
+    "Gemma2ForCausalLM": _GEMMA,
+    "Gemma3ForCausalLM": _GEMMA,
     "GptOssForCausalLM": _GPT_OSS,
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "MixtralForCausalLM": _MIXTRAL,
+    "Phi3ForCausalLM": _PHI3,
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
     "Qwen3MoeForCausalLM": _QWEN3_MOE,

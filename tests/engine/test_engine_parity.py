@@ -10,9 +10,12 @@ import torch
 import transformers
 
 from roseray import LLM, SamplingParams
-from tests.models.hf_models import make_tiny_model
+from tests.models.hf_models import make_tiny_model, use_longrope_long_factors
 
-KINDS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss"]
+# mistral (when windowed), mixtral, gpt_oss, gemma2, gemma3 and phi3 slide a window of 8 tokens that most
+# prompts below cross
+KINDS = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss", "gemma2", "gemma3", "phi3",
+         "phi3-longrope"]
 MAX_NEW = 12
 
 
@@ -20,6 +23,7 @@ MAX_NEW = 12
 def tiny_model(request, tmp_path_factory):
     path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    hf = use_longrope_long_factors(hf)  # LongRoPE's factors chosen as roseray does
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     return request.param, path, hf

@@ -19,7 +19,12 @@ from roseray.layers.fused import fused_kernels
 from roseray.layers.rotary import RotaryEmbedding
 from roseray.layers.vocab import padded_vocab_size, vocab_logits, vocab_parameter
 from roseray.models.loader import load_model, load_model_config
-from roseray_kernels.activation import silu_and_mul, silu_and_mul_reference
+from roseray_kernels.activation import (
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_reference,
+    silu_and_mul,
+    silu_and_mul_reference,
+)
 from roseray_kernels.fused_norm import layernorm, layernorm_reference, rmsnorm, rmsnorm_reference
 from roseray_kernels.rotary import rotary_qk_, rotary_qk_reference
 from roseray_kernels.sampling import gumbel_max_sample, split_columns
@@ -120,6 +125,15 @@ def test_silu_and_mul_matches_reference(dtype):
     got = silu_and_mul(gate_up)
     assert got.shape == (tokens, inter) and got.dtype == dtype
     assert rel_err(got, silu_and_mul_reference(gate_up)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_matches_reference(dtype):
+    tokens, inter = 7 * SCALE, 40 * SCALE
+    gate_up = randn(tokens, 2 * inter + 8, dtype=dtype)[:, : 2 * inter] * 4  # a row-strided view; tanh saturates
+    got = gelu_tanh_and_mul(gate_up)
+    assert got.shape == (tokens, inter) and got.dtype == dtype
+    assert rel_err(got, gelu_tanh_and_mul_reference(gate_up)) < TOLERANCE[dtype]
 
 
 # --- RoPE (+ q/k norm), in place --------------------------------------------------------
@@ -238,7 +252,7 @@ def test_llama_lm_head_shares_padded_storage_with_tied_embeddings(tie):
 # --- whole models: the Triton path equals the torch path -------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt2", "gemma2", "gemma3", "phi3"])
 def test_model_logits_on_the_triton_path_equal_the_torch_path(kind, tiny_checkpoint):
     path = tiny_checkpoint(kind)
     config = load_model_config(str(path))

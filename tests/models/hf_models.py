@@ -14,6 +14,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     GptOssConfig,
@@ -24,6 +28,8 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -33,8 +39,10 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-KINDS = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss")
+KINDS = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss", "gemma2", "gemma3",
+         "phi3", "phi3-longrope")
 VOCAB_SIZE = 320  # >= the tokenizer's 256 bytes + merges + special tokens
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -50,10 +58,32 @@ _MOE_KINDS = ("qwen3_moe", "mixtral")
 _COMMON = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
 _LLAMA_GEOMETRY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, rms_norm_eps=1e-6)  # fmt: skip
+# Gemma: 4 layers (local and global ones), head_dim 32 (!= hidden / heads), a window of 8 tokens that
+# the tests' prompts cross, query_pre_attn_scalar != head_dim, weights large enough (initializer_range)
+# and caps small enough that both softcaps change the logits.
+_GEMMA_GEOMETRY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                       initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       hidden_activation="gelu_pytorch_tanh", pad_token_id=0)  # fmt: skip
+_PHI3_GEOMETRY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0)
+_LONGROPE_ORIGINAL = 32  # Phi-3 longrope: the pretraining context, below max_position_embeddings (128)
 
 
-def hf_config(kind: str):
-    """A tiny config of each kind; eager attention, tie settings explicit."""
+def _longrope_factors(seed: int) -> list[float]:
+    generator = torch.Generator().manual_seed(seed)
+    return (1.0 + 3.0 * torch.rand(8, generator=generator)).tolist()  # head_dim 16: 8 frequencies
+
+
+def hf_config(kind: str, **overrides):
+    """A tiny config of each kind (`overrides` on top); eager attention, tie settings explicit."""
+    config = _hf_config(kind)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+def _hf_config(kind: str):
     if kind == "gpt2":
         return GPT2Config(vocab_size=VOCAB_SIZE, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
@@ -92,6 +122,24 @@ def hf_config(kind: str):
         return MixtralConfig(**_COMMON, **{**_LLAMA_GEOMETRY, "intermediate_size": 32}, tie_word_embeddings=False,
                              num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e6})  # fmt: skip
+    if kind == "gemma2":  # local/global layers alternate; attention and final logit softcaps
+        return Gemma2Config(**_COMMON, **_GEMMA_GEOMETRY, attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+    if kind == "gemma3":  # q/k norm, local RoPE base != global, linear scaling on the global layers
+        return Gemma3TextConfig(**_COMMON, **_GEMMA_GEOMETRY, final_logit_softcapping=3.0,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                             "sliding_attention"],
+                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                 "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                    "rope_theta": 10000.0}})  # fmt: skip
+    if kind == "phi3":  # fused qkv / gate_up in the checkpoint, a sliding window on every layer
+        return Phi3Config(**_COMMON, **_PHI3_GEOMETRY, sliding_window=8,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})  # fmt: skip
+    if kind == "phi3-longrope":  # LongRoPE: the long factors apply (max_position_embeddings > original)
+        return Phi3Config(**_COMMON, **_PHI3_GEOMETRY, sliding_window=None,
+                          original_max_position_embeddings=_LONGROPE_ORIGINAL,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "short_factor": _longrope_factors(1), "long_factor": _longrope_factors(2)})
     raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
 
 
@@ -109,14 +157,18 @@ _MODEL_CLASSES = {
     "gpt_oss": GptOssForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "phi3-longrope": Phi3ForCausalLM,
 }
 
 
-def make_hf_model(kind: str, seed: int = 0, config=None) -> PreTrainedModel:
-    """A seeded fp32 random model in eval mode (of `config`, default hf_config(kind)). Norm
-    weights are perturbed away from 1 so a norm applied wrongly (or not at all) shows in the
-    logits; MoE routers are scaled by ROUTER_SCALE."""
-    config = config or hf_config(kind)
+def make_hf_model(kind: str, seed: int = 0, config=None, **overrides) -> PreTrainedModel:
+    """A seeded fp32 random model in eval mode (of `config`, default hf_config(kind, **overrides)).
+    Norm weights are perturbed away from their init so a norm applied wrongly (or not at all)
+    shows in the logits; MoE routers are scaled by ROUTER_SCALE."""
+    config = config or hf_config(kind, **overrides)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = _MODEL_CLASSES[kind](config).float().eval()
@@ -157,14 +209,15 @@ def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_tiny_model(kind: str, path: Path, max_shard_size: str | None = None, seed: int = 0, config=None,
-                    save_original_format: bool = True) -> Path:
+                    save_original_format: bool = True, **overrides) -> Path:
     """Save a tiny random `kind` model (+ tokenizer) to `path` as safetensors; pass e.g.
-    max_shard_size="20KB" to get a sharded checkpoint with model.safetensors.index.json.
-    MoE experts are saved one tensor per expert (the Hub's names); save_original_format=False
-    writes transformers' stacked layout instead (mlp.experts.gate_up_proj / down_proj)."""
+    max_shard_size="20KB" to get a sharded checkpoint with model.safetensors.index.json, and
+    config attributes to change as `overrides` (e.g. head_dim=256). MoE experts are saved one
+    tensor per expert (the Hub's names); save_original_format=False writes transformers'
+    stacked layout instead (mlp.experts.gate_up_proj / down_proj)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = make_hf_model(kind, seed, config)
+    model = make_hf_model(kind, seed, config, **overrides)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, safe_serialization=True, save_original_format=save_original_format, **kwargs)
     make_tiny_tokenizer().save_pretrained(path)
@@ -172,8 +225,29 @@ def make_tiny_model(kind: str, path: Path, max_shard_size: str | None = None, se
 
 
 def load_hf_model(path: Path) -> PreTrainedModel:
-    """The saved checkpoint, read back by transformers (fp32, eager attention)."""
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    """The saved checkpoint, read back by transformers (fp32, eager attention), as roseray's
+    reference (see `use_longrope_long_factors`)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return use_longrope_long_factors(model)
+
+
+def use_longrope_long_factors(model: PreTrainedModel) -> PreTrainedModel:
+    """A LongRoPE model (Phi-3) made to rotate with its long factors at every length.
+
+    transformers picks the short or long factors per forward by the longest sequence in it (so
+    a sequence that grows past the original context re-rotates only its new keys); roseray, like
+    vLLM, picks them once for the model: the long ones when its context goes past the original
+    (roseray.layers.rotary). The reference is set to that choice; other models pass unchanged."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if getattr(rotary, "rope_type", None) != "longrope":
+        return model
+    original = model.config.rope_parameters["original_max_position_embeddings"]
+    assert model.config.max_position_embeddings > original, "a longrope test model serves past its original context"
+    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](model.config, None, seq_len=original + 1)
+    with torch.no_grad():
+        rotary.original_inv_freq.copy_(long_inv_freq)
+        rotary.inv_freq.copy_(long_inv_freq)
+    return model
 
 
 def set_architecture(path: Path, architecture: str) -> None:

@@ -58,9 +58,9 @@ def test_prefill_without_cache_matches_hf(checkpoint):
     kind, path, prompts, expected = checkpoint
     model, _ = _load(path)
     layers = [module for module in model.modules() if isinstance(module, Attention)]
-    if any(layer.sliding_window or layer.sinks is not None for layer in layers):
-        pytest.skip("the cache-less forward (the memory-profiling run, outputs discarded) applies no sliding window "
-                    "or sinks; the paged test covers them")
+    if any(layer.sliding_window or layer.sinks is not None or layer.softcap for layer in layers):
+        pytest.skip("the cache-less forward (the memory-profiling run, outputs discarded) applies no sliding window, "
+                    "sinks or softcap; the paged test covers them")
     spans = [(0, len(prompt)) for prompt in prompts]
     meta = step_metadata([([0] * 3, 0, len(prompt)) for prompt in prompts])
     meta.slot_mapping.fill_(-1)  # no cache: nothing is written
