@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 
 import torch
@@ -51,8 +52,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="dummy: random weights in the geometry of a directory holding config.json only")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--out", default=None, help="write JSON here")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_args = {"enforce_eager": args.enforce_eager}
+    if args.gpu_memory_utilization:
+        engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.load_format:
         engine_args["load_format"] = args.load_format
     if args.max_model_len:

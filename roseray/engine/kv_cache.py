@@ -4,11 +4,14 @@ a view of ([2, num_layers, num_blocks, block_size, num_kv_heads, head_dim])."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from roseray.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
@@ -23,6 +26,7 @@ def profile_gpu_blocks(device: torch.device, gpu_memory_utilization: float, byte
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
+    resident = torch.cuda.memory_allocated(device)  # the weights (and buffers)
     profile_forward()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -30,6 +34,10 @@ def profile_gpu_blocks(device: torch.device, gpu_memory_utilization: float, byte
     outside_torch = (total - free) - torch.cuda.memory_reserved(device)
     budget = total * gpu_memory_utilization - peak - outside_torch
     num_blocks = int(budget // bytes_per_block)
+    logger.info("GPU memory: %.2f GiB x %.2f = %.2f GiB for weights %.2f GiB, activation peak %.2f GiB, outside "
+                "torch %.2f GiB (CUDA context, libraries) and the KV cache %.2f GiB",
+                total / 2**30, gpu_memory_utilization, total * gpu_memory_utilization / 2**30, resident / 2**30,
+                (peak - resident) / 2**30, outside_torch / 2**30, max(budget, 0) / 2**30)  # fmt: skip
     if num_blocks < 1:
         raise RuntimeError(
             f"no memory left for the KV cache: peak {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB "
