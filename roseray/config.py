@@ -228,6 +228,7 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     o_proj_bias: bool = False  # the attention output projection carries a bias (Llama/Qwen3 attention_bias)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss)
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: torch.dtype | None = None
     hf_architecture: str = ""  # the name in config.json, for messages

@@ -1,4 +1,4 @@
-"""gpt-oss (`GptOssForCausalLM`): a pre-norm decoder whose attention has q/k/v/o biases, grouped
+"""gpt-oss (`GptOssForCausalLM`): llama.py's pre-norm decoder whose attention has q/k/v/o biases, grouped
 query heads, a learned sink logit per head, and sliding-window (128) layers alternating with
 full ones; YaRN RoPE; and a sparse MoE MLP in every layer (a router with a bias picks the top-k
 experts, softmax over their logits; each expert is a clamped SwiGLU with biases).
@@ -24,52 +24,17 @@ import torch
 from torch import nn
 
 from roseray.config import ModelConfig, MoEConfig
-from roseray.layers.attention import Attention
-from roseray.layers.linear import MergedLinear, WeightEntry, load_weight_entries
+from roseray.layers.linear import WeightEntry
 from roseray.layers.moe import ExpertActivation, FusedMoE
-from roseray.layers.norms import RMSNorm
-from roseray.layers.rotary import RotaryEmbedding
-from roseray.layers.vocab import vocab_logits, vocab_parameter
 from roseray.models.hf_fields import first, layer_types, rope
+from roseray.models.llama import LlamaForCausalLM
 from roseray.models.mxfp4 import dequantize_mxfp4
 
 SUPPORTED_QUANTIZATION = ("mxfp4",)  # the released checkpoints' experts; see roseray.models.mxfp4
 
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
-_QKV_NAME = re.compile(r"\.self_attn\.(q_proj|k_proj|v_proj)\.")
 _EXPERTS = re.compile(
     r"^(?P<layer>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<kind>|_bias|_blocks|_scales)$"
 )
-_SKIPPED = ("rotary_emb.inv_freq",)
-
-
-class GptOssAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.rotary_emb = rotary_emb  # shared by every layer
-        window = config.sliding_window if config.is_sliding(layer_index) else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5,
-                              sliding_window=window, has_sinks=True)  # fmt: skip
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        q, k = self.rotary_emb.rotate_qk(positions, q, k)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
-        return self.o_proj(out)
 
 
 class GptOssMoE(nn.Module):
@@ -89,79 +54,22 @@ class GptOssMoE(nn.Module):
         return self.experts(hidden, self.router(hidden))
 
 
-class GptOssDecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream travels beside the hidden states (see llama.py)."""
+class GptOssForCausalLM(LlamaForCausalLM):
+    """llama.py's decoder with attention sinks (ModelConfig.attention_sinks) and GptOssMoE in
+    every layer; the checkpoint's stacked or MXFP4 experts load per expert."""
 
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = GptOssAttention(config, rotary_emb, layer_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GptOssMoE(config)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-
-class GptOssModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=vocab_parameter(config.vocab_size, config.hidden_size))
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
-        self.layers = nn.ModuleList(
-            GptOssDecoderLayer(config, self.rotary_emb, i) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
-
-
-class GptOssForCausalLM(nn.Module):
-    def __init__(self, model_config: ModelConfig) -> None:
-        super().__init__()
-        self.config = model_config
-        self.model = GptOssModel(model_config)
-        self.lm_head = nn.Linear(model_config.hidden_size, model_config.vocab_size, bias=False, device="meta")
-        if model_config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head.weight = vocab_parameter(model_config.vocab_size, model_config.hidden_size)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
-        return vocab_logits(hidden, self.lm_head.weight).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_weight_entries(self, self._entries(weights))
+    def make_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:
+        return GptOssMoE(config)
 
     def _entries(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[WeightEntry]:
         pending: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # MXFP4 halves waiting for their pair
         for name, tensor in weights:
-            if name.endswith(_SKIPPED) or (self.config.tie_word_embeddings and name == "lm_head.weight"):
-                continue
             experts = _EXPERTS.match(name)
             if experts is None:
-                yield self._dense_entry(name, tensor)
+                if name.endswith(".self_attn.sinks"):
+                    yield WeightEntry(name, name.replace(".sinks", ".attn.sinks"), None, tensor)
+                else:
+                    yield from super()._entries([(name, tensor)])
                 continue
             gate_up, kind = experts["proj"] == "gate_up_proj", experts["kind"]
             target = f"{experts['layer']}.{'w13' if gate_up else 'w2'}"
@@ -178,15 +86,6 @@ class GptOssForCausalLM(nn.Module):
         if pending:
             names = sorted(name for halves in pending.values() for name, _ in halves.values())
             raise ValueError(f"MXFP4 weight(s) without their blocks/scales pair in the checkpoint: {', '.join(names)}")
-
-    @staticmethod
-    def _dense_entry(name: str, tensor: torch.Tensor) -> WeightEntry:
-        if name.endswith(".self_attn.sinks"):
-            return WeightEntry(name, name.replace(".sinks", ".attn.sinks"), None, tensor)
-        match = _QKV_NAME.search(name)
-        if match is None:
-            return WeightEntry(name, name, None, tensor)
-        return WeightEntry(name, name.replace(f".{match.group(1)}.", ".qkv_proj."), _QKV[match.group(1)], tensor)
 
     def _mxfp4_entries(self, target: str, blocks: tuple[str, torch.Tensor],
                        scales: torch.Tensor) -> Iterator[WeightEntry]:
@@ -253,6 +152,7 @@ def config_fields(hf: dict[str, Any], hf_architecture: str) -> dict[str, Any]:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
         o_proj_bias=attention_bias,
+        attention_sinks=True,
         sliding_window=window if kinds and "sliding_attention" in kinds else None,
         layer_types=layer_types({"layer_types": kinds}, num_layers, window),
         moe=MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=hf["intermediate_size"],

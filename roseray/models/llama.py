@@ -59,7 +59,7 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by every layer
         window = config.sliding_window if config.is_sliding(layer_index) else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5,
-                              sliding_window=window)
+                              sliding_window=window, has_sinks=config.attention_sinks)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
