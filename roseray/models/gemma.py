@@ -19,7 +19,6 @@ post-feedforward norms normalise a sub-block's output before it joins the stream
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -27,13 +26,12 @@ import torch
 from torch import nn
 
 from roseray.config import ModelConfig
-from roseray.layers.activation import GatedActivation
-from roseray.layers.attention import Attention
-from roseray.layers.linear import MergedLinear, WeightEntry, load_weight_entries
+from roseray.layers.linear import WeightEntry
 from roseray.layers.norms import RMSNorm
 from roseray.layers.rotary import RotaryEmbedding
-from roseray.layers.vocab import vocab_logits, vocab_parameter
+from roseray.layers.vocab import vocab_parameter
 from roseray.models.hf_fields import layer_types, rope
+from roseray.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 GEMMA3 = "Gemma3ForCausalLM"
 # transformers' defaults for what older config.json files leave out
@@ -41,68 +39,15 @@ _DEFAULT_QUERY_PRE_ATTN_SCALAR = 256
 _GEMMA3_GLOBAL_THETA, _GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0
 _SLIDING_PATTERN = {"Gemma2ForCausalLM": 2, GEMMA3: 6}  # every n-th layer global, the others local
 
-# Hugging Face projection name -> (fused projection, shard index).
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_FUSED_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
-
-
-class GemmaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int, scale: float) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary_emb = rotary_emb  # shared by the layers of its kind
-        window = config.sliding_window if config.is_sliding(layer_index) else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=scale,
-                              sliding_window=window, softcap=config.attn_logit_softcap)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        q, k = self.rotary_emb.rotate_qk(positions, q, k, self.q_norm, self.k_norm)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
-        return self.o_proj(out)
-
-
-class GemmaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = GatedActivation(config.hidden_act)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(hidden)))
-
-
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int, scale: float) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = GemmaAttention(config, rotary_emb, layer_index, scale)
+        self.self_attn = LlamaAttention(config, rotary_emb, layer_index, scale)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = GemmaMLP(config)
+        self.mlp = LlamaMLP(config)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
 
     def forward(
@@ -151,48 +96,19 @@ class GemmaModel(nn.Module):
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
-class GemmaForCausalLM(nn.Module):
-    """Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM)."""
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM): llama.py's attention,
+    MLP, lm_head and checkpoint names around Gemma's own decoder stack."""
 
-    def __init__(self, model_config: ModelConfig) -> None:
-        super().__init__()
-        self.config = model_config
-        self.model = GemmaModel(model_config)
-        self.lm_head = nn.Linear(model_config.hidden_size, model_config.vocab_size, bias=False, device="meta")
-        if model_config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head.weight = vocab_parameter(model_config.vocab_size, model_config.hidden_size)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden_size] -> [num_rows, vocab_size] float32, softcapped
-        (cap * tanh(logits / cap)) when the model says so."""
-        logits = vocab_logits(hidden, self.lm_head.weight).float()
-        cap = self.config.final_logit_softcap
-        if cap is not None:  # in place: the fp32 logits are this call's own tensor
-            logits = logits.div_(cap).tanh_().mul_(cap)
-        return logits
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_weight_entries(self, self._entries(weights))
+    def make_model(self, config: ModelConfig) -> nn.Module:
+        return GemmaModel(config)
 
     def _entries(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[WeightEntry]:
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and name == "lm_head.weight"):
-                continue
-            match = _FUSED_NAME.search(name)
-            if match is not None:
-                fused, shard = _FUSED[match.group(1)]
-                yield WeightEntry(name, name.replace(f".{match.group(1)}.", f".{fused}."), shard, tensor)
-                continue
-            owner_name, _, leaf = name.rpartition(".")
+        for entry in super()._entries(weights):
+            owner_name, _, leaf = entry.param_name.rpartition(".")
             if leaf == "weight" and isinstance(self._module(owner_name), RMSNorm):
-                tensor = tensor.float() + 1.0  # Gemma's norms scale by (1 + w)
-            yield WeightEntry(name, name, None, tensor)
+                entry = entry._replace(tensor=entry.tensor.float() + 1.0)  # Gemma's norms scale by (1 + w)
+            yield entry
 
     def _module(self, name: str) -> nn.Module | None:
         try:

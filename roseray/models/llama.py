@@ -41,7 +41,12 @@ _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cach
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int) -> None:
+    """q|k|v projection, optional per-head q/k RMSNorm, RoPE, paged attention (the layer's
+    window, the model's logit softcap and sinks), output projection. `scale` defaults to
+    head_dim ** -0.5."""
+
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads,
@@ -56,10 +61,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary_emb = rotary_emb  # shared by every layer
+        self.rotary_emb = rotary_emb  # shared by every layer (of its kind)
         window = config.sliding_window if config.is_sliding(layer_index) else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5,
-                              sliding_window=window, has_sinks=config.attention_sinks)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=self.head_dim**-0.5 if scale is None else scale, sliding_window=window,
+                              softcap=config.attn_logit_softcap, has_sinks=config.attention_sinks)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -136,12 +142,16 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__()
         self.config = model_config
-        self.model = LlamaModel(model_config, self.make_mlp)
+        self.model = self.make_model(model_config)
         self.lm_head = nn.Linear(model_config.hidden_size, model_config.vocab_size, bias=False, device="meta")
         if model_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head.weight = vocab_parameter(model_config.vocab_size, model_config.hidden_size)
+
+    def make_model(self, config: ModelConfig) -> nn.Module:
+        """The decoder stack: embeddings -> layers -> final norm (a subclass may build its own)."""
+        return LlamaModel(config, self.make_mlp)
 
     def make_mlp(self, config: ModelConfig, layer_index: int) -> nn.Module:
         """The MLP of decoder layer `layer_index`: the dense gated MLP (a subclass may put
@@ -154,8 +164,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 (a view of padded logits
-        when the vocabulary is not a multiple of 64: see roseray.layers.vocab)."""
-        return vocab_logits(hidden, self.lm_head.weight).float()
+        when the vocabulary is not a multiple of 64: see roseray.layers.vocab), softcapped
+        (cap * tanh(logits / cap)) when the model says so (Gemma 2)."""
+        logits = vocab_logits(hidden, self.lm_head.weight).float()
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # in place: the fp32 logits are this call's own tensor
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_weight_entries(self, self._entries(weights))
