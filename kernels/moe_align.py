@@ -14,10 +14,17 @@ Buffer sizes come from shapes only (CUDA-graph capturable, no host syncs): each 
 has assignments adds at most one partial block, so at most
 `num_assignments // block_m + min(num_experts, num_assignments)` blocks are used.
 
-Two implementations with equal results: one Triton program (a counting sort in registers:
-a few microseconds for decode-sized steps, but it runs on one SM, so it is linear in the
-assignments) and torch ops (a stable sort and scatters: a dozen launches, parallel for large
-steps). `moe_align` picks by size; `ALIGN_TRITON_MAX_ASSIGNMENTS` is untuned.
+Two implementations with equal results (the same bits, as the order is stable in both):
+- Triton (`align_triton`): a parallel counting sort in three launches over chunks of the
+  assignments. (1) a grid over chunks: each chunk's histogram of experts. (2) one small
+  program: each expert's total, its padded run's start (a prefix sum over experts), the
+  padded count, and for every (chunk, expert) the row where that chunk's first assignment of
+  the expert goes (a prefix sum over chunks). (3) a grid over chunks and over blocks of rows:
+  a chunk sorts its (expert, position) keys in registers and stores each assignment at its
+  (chunk, expert) row plus its rank among the chunk's assignments of that expert; a block
+  program stores its blocks' experts and the padding rows of its blocks. No atomics and no
+  memsets: every output element is written exactly once, so the layout is deterministic.
+- torch ops (`align_torch`): a stable sort and scatters; the reference the tests compare to.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-ALIGN_TRITON_MAX_ASSIGNMENTS = 4096  # untuned: the one-program kernel up to here, torch ops above
-ALIGN_CHUNK = 64  # assignments (and blocks) per loop step of the one-program kernel
-ALIGN_NUM_WARPS = 4
+MIN_CHUNK = 256  # assignments per chunk at least (a decode step is one chunk)
+MAX_CHUNK = 2048  # and at most (the in-register sort of a chunk grows as CHUNK log^2 CHUNK)
+TARGET_CHUNKS = 128  # about one chunk per SM for large steps
+SCAN_ROWS = 64  # chunks per loop step of the scan program
+BLOCKS_PER_PROGRAM = 32  # blocks of block_m rows whose expert and padding one program writes
+HISTOGRAM_MIN_BINS = 32  # experts are counted in at least a warp's width of bins (the extra ones stay empty)
 
 
 @dataclass(frozen=True)
@@ -51,68 +61,122 @@ def max_blocks(num_assignments: int, num_experts: int, block_m: int) -> int:
     return num_assignments // block_m + min(num_experts, num_assignments)
 
 
+def chunk_size(num_assignments: int) -> int:
+    """Assignments per chunk: a power of two, so that about TARGET_CHUNKS chunks cover the step."""
+    return min(max(triton.next_power_of_2(triton.cdiv(num_assignments, TARGET_CHUNKS)), MIN_CHUNK), MAX_CHUNK)
+
+
 @triton.jit
-def _align_kernel(
-    ids_ptr,  # [num_assignments] expert of each assignment (any int dtype)
-    sorted_ptr,  # [num_blocks * BLOCK_M] int32 out
-    block_expert_ptr,  # [num_blocks] int32 out
-    padded_ptr,  # [1] int32 out
-    num_assignments, num_experts, num_blocks,
-    BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr,
+def _count_kernel(ids_ptr, chunk_counts_ptr, num_assignments, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """chunk_counts[c, e] = the assignments of chunk c that chose expert e."""
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < num_assignments
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    counts = tl.histogram(ids, EXPERTS_P2, mask=valid)
+    tl.store(chunk_counts_ptr + chunk * EXPERTS_P2 + tl.arange(0, EXPERTS_P2), counts.to(tl.int32))
+
+
+@triton.jit
+def _scan_kernel(
+    chunk_counts_ptr,  # [num_chunks, EXPERTS_P2] in
+    chunk_base_ptr,  # [num_chunks, EXPERTS_P2] out: row of chunk c's first assignment of e, less its
+    #                  position among c's sorted keys
+    runs_ptr,  # [2, EXPERTS_P2] out: each expert's run start (padded rows) and assignment count
+    padded_ptr,  # [1] out
+    num_chunks,
+    BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """One program: count per expert, pad and prefix-sum, then place each assignment at its
-    expert's start + the number of earlier assignments of that expert (a stable counting sort)."""
     experts = tl.arange(0, EXPERTS_P2)
-    lanes = tl.arange(0, CHUNK)
-    counts = tl.zeros([EXPERTS_P2], dtype=tl.int32)
-    for start in range(0, num_assignments, CHUNK):
-        offs = start + lanes
+    rows = tl.arange(0, ROWS)
+    totals = tl.zeros([EXPERTS_P2], dtype=tl.int32)
+    for first in range(0, num_chunks, ROWS):
+        chunk = first + rows
+        counts = tl.load(chunk_counts_ptr + chunk[:, None] * EXPERTS_P2 + experts[None, :],
+                         mask=(chunk < num_chunks)[:, None], other=0)
+        totals += tl.sum(counts, axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(padded, axis=0) - padded
+    tl.store(padded_ptr, tl.sum(padded, axis=0))
+    tl.store(runs_ptr + experts, starts)
+    tl.store(runs_ptr + EXPERTS_P2 + experts, totals)
+
+    # a chunk's assignments of expert e follow those of the earlier chunks in e's run; within the
+    # chunk, its sorted keys put them after the chunk's assignments of experts < e: subtracting that
+    # lets the placement add a key's position in the sorted chunk
+    carry = starts
+    for first in range(0, num_chunks, ROWS):
+        chunk = first + rows
+        in_range = (chunk < num_chunks)[:, None]
+        counts = tl.load(chunk_counts_ptr + chunk[:, None] * EXPERTS_P2 + experts[None, :], mask=in_range, other=0)
+        before_chunk = carry[None, :] + tl.cumsum(counts, axis=0) - counts
+        before_in_chunk = tl.cumsum(counts, axis=1) - counts
+        tl.store(chunk_base_ptr + chunk[:, None] * EXPERTS_P2 + experts[None, :], before_chunk - before_in_chunk,
+                 mask=in_range)
+        carry += tl.sum(counts, axis=0)
+
+
+@triton.jit
+def _place_kernel(
+    ids_ptr, chunk_base_ptr, runs_ptr,  # in
+    sorted_ptr, block_expert_ptr,  # out
+    num_assignments, num_experts, num_chunks, num_blocks,
+    BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS_P2)
+    if pid < num_chunks:
+        lanes = tl.arange(0, CHUNK)
+        offs = pid * CHUNK + lanes
         ids = tl.load(ids_ptr + offs, mask=offs < num_assignments, other=EXPERTS_P2).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
-    tl.store(padded_ptr, total)
+        keys = tl.sort(ids * CHUNK + lanes)  # by expert, then position: stable; missing lanes last
+        expert = keys // CHUNK
+        real = expert < EXPERTS_P2
+        base = tl.load(chunk_base_ptr + pid * EXPERTS_P2 + expert, mask=real, other=0)
+        tl.store(sorted_ptr + base + lanes, pid * CHUNK + keys % CHUNK, mask=real)
 
-    # block b holds rows from b * BLOCK_M: its expert is the number of runs ending at or before it
-    # (EXPERTS_P2 past the padded count). Rows of a run past its expert's count are padding, and so
-    # are all rows past the padded count; the placements below write the others (disjoint stores).
-    starts = ends - padded
-    for start in range(0, num_blocks, CHUNK):
-        blocks = start + lanes
-        in_range = blocks < num_blocks
-        expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.minimum(expert, num_experts - 1), mask=in_range)
-        onehot = (expert[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS_P2]
-        run_start = tl.sum(onehot * starts[None, :], axis=1)
-        run_count = tl.sum(onehot * counts[None, :], axis=1)
-        rows = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [CHUNK, BLOCK_M]
-        is_padding = rows - run_start[:, None] >= run_count[:, None]
-        tl.store(sorted_ptr + rows, tl.zeros([CHUNK, BLOCK_M], dtype=tl.int32) + num_assignments,
-                 mask=is_padding & in_range[:, None])
-
-    cursor = starts  # next free row of each expert
-    for start in range(0, num_assignments, CHUNK):
-        offs = start + lanes
-        valid = offs < num_assignments
-        ids = tl.load(ids_ptr + offs, mask=valid, other=EXPERTS_P2).to(tl.int32)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, EXPERTS_P2]
-        earlier = tl.cumsum(onehot, axis=0) - onehot  # same-expert assignments before each, in this chunk
-        dest = tl.sum(onehot * (cursor[None, :] + earlier), axis=1)
-        tl.store(sorted_ptr + dest, offs, mask=valid)
-        cursor += tl.sum(onehot, axis=0)
+    # blocks: block b holds rows from b * BLOCK_M; its expert is the number of runs ending at or
+    # before it (EXPERTS_P2 past the padded count). Rows of a run past its expert's count are
+    # padding, and so are all rows past the padded count; the chunks write the others.
+    blocks = pid * BLOCKS + tl.arange(0, BLOCKS)
+    in_range = blocks < num_blocks
+    starts = tl.load(runs_ptr + experts)
+    counts = tl.load(runs_ptr + EXPERTS_P2 + experts)
+    ends = starts + (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    block_expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + blocks, tl.minimum(block_expert, num_experts - 1), mask=in_range)
+    used = block_expert < EXPERTS_P2
+    run_start = tl.load(runs_ptr + block_expert, mask=used, other=0)
+    run_count = tl.load(runs_ptr + EXPERTS_P2 + block_expert, mask=used, other=0)
+    rows = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [BLOCKS, BLOCK_M]
+    is_padding = rows - run_start[:, None] >= run_count[:, None]
+    tl.store(sorted_ptr + rows, tl.zeros([BLOCKS, BLOCK_M], dtype=tl.int32) + num_assignments,
+             mask=is_padding & in_range[:, None])
 
 
 def align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedAssignments:
     flat = ids.reshape(-1)
-    num_assignments = flat.numel()
+    num_assignments, device = flat.numel(), flat.device
     blocks = max_blocks(num_assignments, num_experts, block_m)
-    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
-    padded_count = torch.empty(1, dtype=torch.int32, device=flat.device)
-    _align_kernel[(1,)](flat, sorted_ids, block_expert, padded_count, num_assignments, num_experts, blocks,
-                        BLOCK_M=block_m, EXPERTS_P2=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK,
-                        num_warps=ALIGN_NUM_WARPS)
+    experts_p2 = max(triton.next_power_of_2(num_experts), HISTOGRAM_MIN_BINS)
+    chunk = chunk_size(num_assignments)
+    num_chunks = triton.cdiv(num_assignments, chunk)
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    padded_count = torch.empty(1, dtype=torch.int32, device=device)
+    if num_assignments == 0:
+        padded_count.zero_()
+        return AlignedAssignments(sorted_ids, block_expert, padded_count, block_m, num_assignments)
+    work = torch.empty((2 * num_chunks + 2) * experts_p2, dtype=torch.int32, device=device)
+    chunk_counts, chunk_base, runs = work.split([num_chunks * experts_p2, num_chunks * experts_p2, 2 * experts_p2])
+    _count_kernel[(num_chunks,)](flat, chunk_counts, num_assignments, EXPERTS_P2=experts_p2, CHUNK=chunk,
+                                 num_warps=4)
+    _scan_kernel[(1,)](chunk_counts, chunk_base, runs, padded_count, num_chunks, BLOCK_M=block_m,
+                       EXPERTS_P2=experts_p2, ROWS=SCAN_ROWS, num_warps=8)
+    grid = max(num_chunks, triton.cdiv(blocks, BLOCKS_PER_PROGRAM))
+    _place_kernel[(grid,)](flat, chunk_base, runs, sorted_ids, block_expert, num_assignments, num_experts,
+                           num_chunks, blocks, BLOCK_M=block_m, EXPERTS_P2=experts_p2, CHUNK=chunk,
+                           BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4)
     return AlignedAssignments(sorted_ids, block_expert, padded_count, block_m, num_assignments)
 
 
@@ -137,10 +201,8 @@ def align_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedAss
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, method: str = "auto") -> AlignedAssignments:
     """ids [num_tokens, top_k] -> the assignments sorted by expert in padded runs.
-    method: "triton", "torch" or "auto" (Triton up to ALIGN_TRITON_MAX_ASSIGNMENTS)."""
-    if method == "auto":
-        method = "triton" if ids.numel() <= ALIGN_TRITON_MAX_ASSIGNMENTS else "torch"
-    if method == "triton":
+    method: "triton" (the parallel counting sort; "auto" takes it at every size) or "torch"."""
+    if method in ("auto", "triton"):
         return align_triton(ids, num_experts, block_m)
     if method == "torch":
         return align_torch(ids, num_experts, block_m)
