@@ -14,16 +14,19 @@ Buffer sizes come from shapes only (CUDA-graph capturable, no host syncs): each 
 has assignments adds at most one partial block, so at most
 `num_assignments // block_m + min(num_experts, num_assignments)` blocks are used.
 
-Two implementations with equal results (the same bits, as the order is stable in both):
-- Triton (`align_triton`): a parallel counting sort in three launches over chunks of the
-  assignments. (1) a grid over chunks: each chunk's histogram of experts. (2) one small
-  program: each expert's total, its padded run's start (a prefix sum over experts), the
-  padded count, and for every (chunk, expert) the row where that chunk's first assignment of
-  the expert goes (a prefix sum over chunks). (3) a grid over chunks and over blocks of rows:
-  a chunk sorts its (expert, position) keys in registers and stores each assignment at its
-  (chunk, expert) row plus its rank among the chunk's assignments of that expert; a block
-  program stores its blocks' experts and the padding rows of its blocks. No atomics and no
-  memsets: every output element is written exactly once, so the layout is deterministic.
+Two implementations with equal results (the same bits: both keep the assignment order within an
+expert, so the GEMMs and the combine see the same rows in the same places on every run):
+- Triton (`align_triton`): a parallel counting sort over chunks of CHUNK assignments in two
+  launches, one for a single-chunk step (up to MIN_CHUNK assignments: decode).
+  (1) `_count_kernel`, a grid over chunks: each chunk's histogram of experts.
+  (2) `_place_kernel`, a grid over chunks and over groups of blocks. Every program sums the chunk
+  histograms itself (a few KiB from L2, cheaper than a launch that scans once): each expert's
+  total, hence its padded run's start (a prefix sum over experts) and the padded count, and the
+  expert's assignments in the chunks before its own. A chunk's program sorts its (expert,
+  position) keys in registers and stores each assignment at its expert's run start + the
+  expert's assignments in earlier chunks + its rank within the chunk. A program's group of
+  blocks gets their experts and their padding rows. No atomics and no memsets: every output
+  element is written exactly once.
 - torch ops (`align_torch`): a stable sort and scatters; the reference the tests compare to.
 """
 
@@ -35,10 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-MIN_CHUNK = 256  # assignments per chunk at least (a decode step is one chunk)
+MIN_CHUNK = 512  # assignments per chunk at least: a step up to here is one chunk, one launch
 MAX_CHUNK = 2048  # and at most (the in-register sort of a chunk grows as CHUNK log^2 CHUNK)
 TARGET_CHUNKS = 128  # about one chunk per SM for large steps
-SCAN_ROWS = 64  # chunks per loop step of the scan program
+SCAN_ROWS = 64  # chunk histograms per loop step of a program's scan
 BLOCKS_PER_PROGRAM = 32  # blocks of block_m rows whose expert and padding one program writes
 HISTOGRAM_MIN_BINS = 32  # experts are counted in at least a warp's width of bins (the extra ones stay empty)
 
@@ -78,76 +81,64 @@ def _count_kernel(ids_ptr, chunk_counts_ptr, num_assignments, EXPERTS_P2: tl.con
 
 
 @triton.jit
-def _scan_kernel(
-    chunk_counts_ptr,  # [num_chunks, EXPERTS_P2] in
-    chunk_base_ptr,  # [num_chunks, EXPERTS_P2] out: row of chunk c's first assignment of e, less its
-    #                  position among c's sorted keys
-    runs_ptr,  # [2, EXPERTS_P2] out: each expert's run start (padded rows) and assignment count
-    padded_ptr,  # [1] out
-    num_chunks,
-    BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, ROWS: tl.constexpr,
-):
-    experts = tl.arange(0, EXPERTS_P2)
-    rows = tl.arange(0, ROWS)
-    totals = tl.zeros([EXPERTS_P2], dtype=tl.int32)
-    for first in range(0, num_chunks, ROWS):
-        chunk = first + rows
-        counts = tl.load(chunk_counts_ptr + chunk[:, None] * EXPERTS_P2 + experts[None, :],
-                         mask=(chunk < num_chunks)[:, None], other=0)
-        totals += tl.sum(counts, axis=0)
-    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    starts = tl.cumsum(padded, axis=0) - padded
-    tl.store(padded_ptr, tl.sum(padded, axis=0))
-    tl.store(runs_ptr + experts, starts)
-    tl.store(runs_ptr + EXPERTS_P2 + experts, totals)
-
-    # a chunk's assignments of expert e follow those of the earlier chunks in e's run; within the
-    # chunk, its sorted keys put them after the chunk's assignments of experts < e: subtracting that
-    # lets the placement add a key's position in the sorted chunk
-    carry = starts
-    for first in range(0, num_chunks, ROWS):
-        chunk = first + rows
-        in_range = (chunk < num_chunks)[:, None]
-        counts = tl.load(chunk_counts_ptr + chunk[:, None] * EXPERTS_P2 + experts[None, :], mask=in_range, other=0)
-        before_chunk = carry[None, :] + tl.cumsum(counts, axis=0) - counts
-        before_in_chunk = tl.cumsum(counts, axis=1) - counts
-        tl.store(chunk_base_ptr + chunk[:, None] * EXPERTS_P2 + experts[None, :], before_chunk - before_in_chunk,
-                 mask=in_range)
-        carry += tl.sum(counts, axis=0)
-
-
-@triton.jit
 def _place_kernel(
-    ids_ptr, chunk_base_ptr, runs_ptr,  # in
-    sorted_ptr, block_expert_ptr,  # out
+    ids_ptr, chunk_counts_ptr,  # in (chunk_counts: [num_chunks, EXPERTS_P2], unread when ONE_CHUNK)
+    sorted_ptr, block_expert_ptr, padded_ptr,  # out
     num_assignments, num_experts, num_chunks, num_blocks,
     BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCKS: tl.constexpr,
+    ROWS: tl.constexpr, ONE_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_P2)
+    # each program scans the chunk counts itself (a few KiB from L2) rather than a launch doing it once:
+    # every expert's total, and the assignments of each expert in the chunks before this program's
+    if ONE_CHUNK:
+        step = tl.arange(0, CHUNK)
+        in_step = step < num_assignments
+        step_ids = tl.load(ids_ptr + step, mask=in_step, other=0).to(tl.int32)
+        totals = tl.histogram(step_ids, EXPERTS_P2, mask=in_step).to(tl.int32)
+        before = tl.zeros([EXPERTS_P2], dtype=tl.int32)
+        own = totals
+    else:
+        totals = tl.zeros([EXPERTS_P2], dtype=tl.int32)
+        before = tl.zeros([EXPERTS_P2], dtype=tl.int32)
+        for first in range(0, num_chunks, ROWS):
+            chunk = first + tl.arange(0, ROWS)
+            counts = tl.load(chunk_counts_ptr + chunk[:, None] * EXPERTS_P2 + experts[None, :],
+                             mask=(chunk < num_chunks)[:, None], other=0)
+            totals += tl.sum(counts, axis=0)
+            before += tl.sum(tl.where((chunk < pid)[:, None], counts, 0), axis=0)
+        # this program's chunk (a block-only program reads the last one and leaves it unused)
+        own = tl.load(chunk_counts_ptr + tl.minimum(pid, num_chunks - 1) * EXPERTS_P2 + experts)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(padded_ptr, tl.sum(padded, axis=0), mask=pid == 0)
+
     if pid < num_chunks:
+        # the chunk's keys sorted by (expert, position): an assignment's row is its expert's run start,
+        # plus the expert's assignments in earlier chunks, plus its position among the sorted keys less
+        # the chunk's assignments of smaller experts (all before it in the sorted keys)
         lanes = tl.arange(0, CHUNK)
         offs = pid * CHUNK + lanes
         ids = tl.load(ids_ptr + offs, mask=offs < num_assignments, other=EXPERTS_P2).to(tl.int32)
-        keys = tl.sort(ids * CHUNK + lanes)  # by expert, then position: stable; missing lanes last
+        keys = tl.sort(ids * CHUNK + lanes)  # missing lanes last
         expert = keys // CHUNK
-        real = expert < EXPERTS_P2
-        base = tl.load(chunk_base_ptr + pid * EXPERTS_P2 + expert, mask=real, other=0)
-        tl.store(sorted_ptr + base + lanes, pid * CHUNK + keys % CHUNK, mask=real)
+        base = starts + before - (tl.cumsum(own, axis=0) - own)
+        dest = tl.gather(base, tl.minimum(expert, EXPERTS_P2 - 1), axis=0) + lanes
+        tl.store(sorted_ptr + dest, pid * CHUNK + keys % CHUNK, mask=expert < EXPERTS_P2)
 
     # blocks: block b holds rows from b * BLOCK_M; its expert is the number of runs ending at or
     # before it (EXPERTS_P2 past the padded count). Rows of a run past its expert's count are
     # padding, and so are all rows past the padded count; the chunks write the others.
     blocks = pid * BLOCKS + tl.arange(0, BLOCKS)
     in_range = blocks < num_blocks
-    starts = tl.load(runs_ptr + experts)
-    counts = tl.load(runs_ptr + EXPERTS_P2 + experts)
-    ends = starts + (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     block_expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
     tl.store(block_expert_ptr + blocks, tl.minimum(block_expert, num_experts - 1), mask=in_range)
     used = block_expert < EXPERTS_P2
-    run_start = tl.load(runs_ptr + block_expert, mask=used, other=0)
-    run_count = tl.load(runs_ptr + EXPERTS_P2 + block_expert, mask=used, other=0)
+    index = tl.minimum(block_expert, EXPERTS_P2 - 1)
+    run_start = tl.where(used, tl.gather(starts, index, axis=0), 0)
+    run_count = tl.where(used, tl.gather(totals, index, axis=0), 0)
     rows = blocks[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [BLOCKS, BLOCK_M]
     is_padding = rows - run_start[:, None] >= run_count[:, None]
     tl.store(sorted_ptr + rows, tl.zeros([BLOCKS, BLOCK_M], dtype=tl.int32) + num_assignments,
@@ -167,16 +158,16 @@ def align_triton(ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedAs
     if num_assignments == 0:
         padded_count.zero_()
         return AlignedAssignments(sorted_ids, block_expert, padded_count, block_m, num_assignments)
-    work = torch.empty((2 * num_chunks + 2) * experts_p2, dtype=torch.int32, device=device)
-    chunk_counts, chunk_base, runs = work.split([num_chunks * experts_p2, num_chunks * experts_p2, 2 * experts_p2])
-    _count_kernel[(num_chunks,)](flat, chunk_counts, num_assignments, EXPERTS_P2=experts_p2, CHUNK=chunk,
-                                 num_warps=4)
-    _scan_kernel[(1,)](chunk_counts, chunk_base, runs, padded_count, num_chunks, BLOCK_M=block_m,
-                       EXPERTS_P2=experts_p2, ROWS=SCAN_ROWS, num_warps=8)
+    one_chunk = num_chunks == 1
+    chunk_counts = padded_count  # a dummy: the one chunk is counted where it is placed
+    if not one_chunk:
+        chunk_counts = torch.empty(num_chunks * experts_p2, dtype=torch.int32, device=device)
+        _count_kernel[(num_chunks,)](flat, chunk_counts, num_assignments, EXPERTS_P2=experts_p2, CHUNK=chunk,
+                                     num_warps=4)
     grid = max(num_chunks, triton.cdiv(blocks, BLOCKS_PER_PROGRAM))
-    _place_kernel[(grid,)](flat, chunk_base, runs, sorted_ids, block_expert, num_assignments, num_experts,
-                           num_chunks, blocks, BLOCK_M=block_m, EXPERTS_P2=experts_p2, CHUNK=chunk,
-                           BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4)
+    _place_kernel[(grid,)](flat, chunk_counts, sorted_ids, block_expert, padded_count, num_assignments,
+                           num_experts, num_chunks, blocks, BLOCK_M=block_m, EXPERTS_P2=experts_p2, CHUNK=chunk,
+                           BLOCKS=BLOCKS_PER_PROGRAM, ROWS=SCAN_ROWS, ONE_CHUNK=one_chunk, num_warps=4)
     return AlignedAssignments(sorted_ids, block_expert, padded_count, block_m, num_assignments)
 
 
