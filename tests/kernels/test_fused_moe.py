@@ -216,6 +216,17 @@ def test_qwen3_30b_a3b_shape_low_precision_against_fp32_reference(num_tokens, dt
 
 
 @cuda_only
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
+    (8192, 8, 128, 128), (32768, 8, 128, 64), (40000, 4, 32, 64), (5000, 8, 256, 16)])
+def test_align_large_steps_on_cuda(num_tokens, top_k, num_experts, block_m):
+    """Prefill-sized steps: the largest chunks, more chunks than one scan step, 256 experts."""
+    _, ids = random_routing(num_tokens, num_experts, top_k, seed=num_tokens)
+    by_triton, by_torch = align_triton(ids, num_experts, block_m), align_torch(ids, num_experts, block_m)
+    for name in ("sorted_ids", "block_expert", "padded_count"):
+        assert torch.equal(getattr(by_triton, name), getattr(by_torch, name)), name
+
+
+@cuda_only
 def test_fp32_prefill_tiles_fit_and_match():
     """A large step takes the 128-row tiles; in fp32 they fit (fewer stages) and match tightly."""
     w13, w2, b13, b2 = make_experts(16, 256, 128, bias=True, scale=0.05)
