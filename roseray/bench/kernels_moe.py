@@ -9,7 +9,9 @@ runs), on the same random routing. Decode steps stream expert weights: GB/s coun
 the experts the step touches, against the copy bandwidth measured in the same run. Large steps compute:
 TFLOP/s counts 6 T k H I (gate_up 2 T k H 2I + down 2 T k I H) against the dense-GEMM ceiling, torch.matmul
 of the same FLOPs ([T k, H] x [H, 2I] and [T k, I] x [I, H]) timed here; %dense is the fraction reached.
-The stage columns are device times (CUDA graph) of the two align methods and of each GEMM alone.
+The stage columns are device times of the two align methods (always in a CUDA graph: a few tiny launches,
+whose host launch time would swamp them) and of each GEMM alone; align_% is the Triton align's share of
+align + both GEMMs.
 --sweep times the tile shapes of each GEMM at a few T (device time for small T) and prints the best
 against the TILE_TABLE default, for choosing roseray_kernels.fused_moe's table.
 """
@@ -97,15 +99,17 @@ def bench_moe(experts: Experts, tokens, copy_bw: float) -> list[Row]:
         activated = moe_gemm(hidden, experts.w13, None, aligned, tiles.gate_up, top_k=k, gated=True)
         flat_weights = weights.reshape(-1)
         stages = {
-            "align_triton_us": device_us(lambda: moe_align(ids, SHAPE["num_experts"], tiles.block_m, "triton"),
-                                         num_tokens),
-            "align_torch_us": device_us(lambda: moe_align(ids, SHAPE["num_experts"], tiles.block_m, "torch"),
-                                        num_tokens),
+            "align_triton_us": graph_us(lambda: moe_align(ids, SHAPE["num_experts"], tiles.block_m, "triton"),
+                                        GRAPH_REPEATS),
+            "align_torch_us": graph_us(lambda: moe_align(ids, SHAPE["num_experts"], tiles.block_m, "torch"),
+                                       GRAPH_REPEATS),
             "gate_up_us": device_us(lambda: moe_gemm(hidden, experts.w13, None, aligned, tiles.gate_up, top_k=k,
                                                      gated=True), num_tokens),
             "down_us": device_us(lambda: moe_gemm(activated, experts.w2, None, aligned, tiles.down, top_k=1,
                                                   gated=False, route_weights=flat_weights), num_tokens),
         }
+        stages["align_%"] = 100 * stages["align_triton_us"] / (stages["align_triton_us"] + stages["gate_up_us"]
+                                                                + stages["down_us"])
         rows.append(Row(f"fused MoE T={num_tokens}", us, {
             "block_m": tiles.block_m, "device_us": dev_us, "reference_us": ref_us, "speedup": ref_us / us,
             "experts": touched, "weight_GB/s": weight_bytes / (dev_us * 1e-6) / 1e9,
@@ -116,7 +120,8 @@ def bench_moe(experts: Experts, tokens, copy_bw: float) -> list[Row]:
 
 def table(rows: list[Row]) -> str:
     columns = ("block_m", "device_us", "reference_us", "speedup", "experts", "weight_GB/s", "%copy", "TFLOP/s",
-               "dense_TFLOP/s", "%dense", "align_triton_us", "align_torch_us", "gate_up_us", "down_us")
+               "dense_TFLOP/s", "%dense", "align_triton_us", "align_torch_us", "gate_up_us", "down_us",
+               "align_%")
     header = f"{'T':>6} {'call_us':>9} " + " ".join(f"{c:>{max(8, len(c))}}" for c in columns)
     lines = [header]
     for row in rows:

@@ -7,6 +7,8 @@ bf16 against an fp32 reference, and a captured CUDA graph replays the layer on n
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -14,11 +16,12 @@ from roseray.layers.activation import _ACTIVATIONS
 from roseray.layers.fused import fused_kernels
 from roseray.layers.moe import KERNEL_ACTIVATIONS, ExpertActivation, FusedMoE, moe_reference, route
 from roseray_kernels.fused_moe import GemmTile, MoETiles, fused_moe
-from roseray_kernels.moe_align import align_torch, align_triton
+from roseray_kernels.moe_align import align_torch, align_triton, moe_align
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 # the reference's names for the kernel's activations
+ALIGN_MODULE = importlib.import_module("roseray_kernels.moe_align")  # the package exports the function of that name
 REFERENCE_NAME = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "relu": "relu",
                   "swiglu_clamped": "swiglu_clamped"}
 
@@ -73,13 +76,42 @@ def check_layout(aligned, ids, num_experts):
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
     (1, 1, 4, 16), (1, 8, 128, 16), (7, 2, 8, 16), (33, 4, 16, 32), (64, 8, 128, 64), (100, 3, 5, 16), (3, 2, 4, 128),
+    (40, 6, 60, 16),  # experts not a power of two
+    (375, 8, 128, 16),  # 3000 assignments: several chunks
+    (400, 8, 8, 64),  # a few experts with hundreds of assignments each
 ])
 def test_align_triton_and_torch_agree_and_sort_by_expert(num_tokens, top_k, num_experts, block_m):
     _, ids = random_routing(num_tokens, num_experts, top_k, seed=num_tokens)
     by_triton, by_torch = align_triton(ids, num_experts, block_m), align_torch(ids, num_experts, block_m)
     check_layout(by_triton, ids, num_experts)
-    for name in ("sorted_ids", "block_expert", "padded_count"):
+    for name in ("sorted_ids", "block_expert", "padded_count"):  # both stable: the same layout
         assert torch.equal(getattr(by_triton, name), getattr(by_torch, name)), name
+
+
+def test_align_runs_in_assignment_order_with_empty_experts(monkeypatch):
+    """Skewed routing (many experts empty, one with most assignments); a scan step and a block program
+    of a few rows each, so that their loops and grids take several steps."""
+    monkeypatch.setattr(ALIGN_MODULE, "SCAN_ROWS", 4)
+    monkeypatch.setattr(ALIGN_MODULE, "BLOCKS_PER_PROGRAM", 4)
+    gen = torch.Generator().manual_seed(7)
+    num_experts, block_m = 32, 16
+    ids = torch.where(torch.rand(2500, generator=gen) < 0.7, 3, torch.randint(10, 14, (2500,), generator=gen))
+    ids = ids.view(-1, 5).to(DEVICE)  # 500 tokens x top-5; experts 0-2, 4-9 and 14-31 get nothing
+    aligned = align_triton(ids, num_experts, block_m)
+    check_layout(aligned, ids, num_experts)
+    sorted_ids, flat = aligned.sorted_ids.cpu().long(), ids.reshape(-1).cpu()
+    placed = sorted_ids[sorted_ids < ids.numel()]
+    want = torch.cat([torch.nonzero(flat == e).flatten() for e in range(num_experts)])
+    assert torch.equal(placed, want)  # by expert, in assignment order within an expert
+    used = int(aligned.padded_count) // block_m
+    assert bool((aligned.block_expert[used:] == num_experts - 1).all())  # unused blocks: a valid expert
+
+
+@pytest.mark.parametrize("method", ["triton", "torch"])
+def test_align_one_assignment(method):
+    aligned = moe_align(torch.tensor([[5]], device=DEVICE), 8, 16, method)
+    assert aligned.sorted_ids.cpu().tolist() == [0] + [1] * 15
+    assert aligned.block_expert.cpu().tolist() == [5] and int(aligned.padded_count) == 16
 
 
 # --- fused_moe against the per-expert reference (fp32: tight) -------------------------------
@@ -184,6 +216,17 @@ def test_qwen3_30b_a3b_shape_low_precision_against_fp32_reference(num_tokens, dt
 
 
 @cuda_only
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
+    (8192, 8, 128, 128), (32768, 8, 128, 64), (40000, 4, 32, 64), (5000, 8, 256, 16)])
+def test_align_large_steps_on_cuda(num_tokens, top_k, num_experts, block_m):
+    """Prefill-sized steps: the largest chunks, more chunks than one scan step, 256 experts."""
+    _, ids = random_routing(num_tokens, num_experts, top_k, seed=num_tokens)
+    by_triton, by_torch = align_triton(ids, num_experts, block_m), align_torch(ids, num_experts, block_m)
+    for name in ("sorted_ids", "block_expert", "padded_count"):
+        assert torch.equal(getattr(by_triton, name), getattr(by_torch, name)), name
+
+
+@cuda_only
 def test_fp32_prefill_tiles_fit_and_match():
     """A large step takes the 128-row tiles; in fp32 they fit (fewer stages) and match tightly."""
     w13, w2, b13, b2 = make_experts(16, 256, 128, bias=True, scale=0.05)
@@ -206,7 +249,7 @@ def test_biased_activations_in_bf16(activation):
 
 
 @cuda_only
-@pytest.mark.parametrize("num_tokens", [4, 64, 1024])  # 1024 x top-8: the torch align path
+@pytest.mark.parametrize("num_tokens", [4, 64, 1024])  # 1024 x top-8: several align chunks
 def test_layer_replays_in_a_cuda_graph(num_tokens):
     shape = QWEN3_30B_A3B
     layer = FusedMoE(shape["num_experts"], shape["top_k"], shape["hidden"], shape["inter"]).to(DEVICE, torch.bfloat16)
