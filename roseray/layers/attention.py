@@ -163,11 +163,14 @@ def causal_attention_no_cache(query, key, value, meta: AttentionMetadata, scale:
     out = torch.empty_like(query)
     starts = meta.query_start_loc[: meta.num_seqs + 1].tolist()
     for start, end in zip(starts[:-1], starts[1:]):
-        q = query[start:end].transpose(0, 1)
-        k = key[start:end].transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
-        v = value[start:end].transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
+        # [1, heads, tokens, head_dim]: SDPA's fused (flash / memory-efficient) kernels take 4-D
+        # inputs only; a 3-D call runs the math path, whose [heads, tokens, tokens] fp32 scores
+        # would inflate the profiled peak by gigabytes at long prompts.
+        q = query[start:end].transpose(0, 1)[None]
+        k = key[start:end].transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)[None]
+        v = value[start:end].transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)[None]
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
 
