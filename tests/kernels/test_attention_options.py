@@ -21,6 +21,7 @@ from roseray.layers.attention import TorchAttentionBackend, paged_attention_refe
 from roseray.layers.triton_backend import TritonAttentionBackend
 from roseray_kernels.kv_append import kv_append, kv_append_reference
 from roseray_kernels.paged_attention import KernelConfig, paged_attention
+from tests.kernels.helpers import rel_err
 from tests.kernels.test_kernels import (
     DEVICE,
     NEEDS_FRESH_PROCESS,
@@ -29,7 +30,6 @@ from tests.kernels.test_kernels import (
     Step,
     decode_seqs,
     paged_attention_module,
-    rel_err,
 )
 
 pytestmark = pytest.mark.skipif(NEEDS_FRESH_PROCESS, reason="Triton was imported before TRITON_INTERPRET=1 was set")

@@ -17,6 +17,7 @@ from roseray.layers.fused import fused_kernels
 from roseray.layers.moe import KERNEL_ACTIVATIONS, ExpertActivation, FusedMoE, moe_reference, route
 from roseray_kernels.fused_moe import GemmTile, MoETiles, fused_moe
 from roseray_kernels.moe_align import align_torch, align_triton, moe_align
+from tests.kernels.helpers import rel_err
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
@@ -24,19 +25,6 @@ DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 ALIGN_MODULE = importlib.import_module("roseray_kernels.moe_align")  # the package exports the function of that name
 REFERENCE_NAME = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu", "relu": "relu",
                   "swiglu_clamped": "swiglu_clamped"}
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_on_cpu():
-    import triton
-
-    if not ON_CUDA:
-        assert type(triton.language.sum).__name__ == "InterpretedFunction", (
-            "Triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it)")
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
 
 
 def make_experts(num_experts, hidden, inter, bias, seed=0, scale=0.2, dtype=torch.float32):

@@ -28,6 +28,7 @@ from roseray_kernels.activation import (
 from roseray_kernels.fused_norm import layernorm, layernorm_reference, rmsnorm, rmsnorm_reference
 from roseray_kernels.rotary import rotary_qk_, rotary_qk_reference
 from roseray_kernels.sampling import gumbel_max_sample, split_columns
+from tests.kernels.helpers import rel_err
 from tests.models.helpers import step_metadata
 
 ON_CUDA = torch.cuda.is_available()
@@ -35,19 +36,6 @@ DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
 SCALE = 16 if ON_CUDA else 1  # real sizes on a GPU, tiny ones in the interpreter
 DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_on_cpu():
-    import triton
-
-    if not ON_CUDA:
-        assert type(triton.language.sum).__name__ == "InterpretedFunction", (
-            "Triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it)")
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
 
 
 def randn(*shape, dtype=torch.float32, seed=0) -> torch.Tensor:

@@ -35,6 +35,7 @@ import importlib  # noqa: E402
 from roseray.layers.attention import AttentionMetadata, TorchAttentionBackend, paged_attention_reference  # noqa: E402
 from roseray_kernels.kv_append import kv_append, kv_append_index_put_baseline, kv_append_reference  # noqa: E402
 from roseray_kernels.paged_attention import KernelConfig, paged_attention  # noqa: E402
+from tests.kernels.helpers import rel_err  # noqa: E402
 
 # The module (the package exports its function under the same name): configs are patched on it.
 paged_attention_module = importlib.import_module("roseray_kernels.paged_attention")
@@ -65,10 +66,6 @@ def test_kernels_in_a_fresh_interpreter_process():
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 # ---------------------------------------------------------------------------------------
