@@ -7,10 +7,12 @@ them back or an allocation evicts them. Block tables of all running requests liv
 one preallocated int32 array `[max_num_seqs, max_blocks_per_seq]`, one row per request,
 whose memory is shared with a (pinned, when CUDA is present) torch tensor.
 
-A full block's hash chains its parent's hash and its own token ids, so equal hashes
-mean equal prefixes. Only full blocks are shared: a shared block is never written. Each
-live request's block hashes are kept here by request id (they outlive a preemption: the
-tokens stay the same) until the request finishes (`release`).
+A full block's hash chains its parent's hash and its own token ids (block_hash.py: stable
+across processes), so equal hashes mean equal prefixes. Only full blocks are shared: a
+shared block is never written. Each live request's block hashes are kept here by request
+id (they outlive a preemption: the tokens stay the same) until the request finishes
+(`release`). Once a consumer enables them, every hash entering or leaving the prefix cache
+is reported to a KVEventLog (kv_events.py) for the Router's index.
 """
 
 from __future__ import annotations
@@ -18,14 +20,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from roseray.engine.block_hash import extend_chain
+from roseray.engine.kv_events import KVCacheSnapshot, KVEventBatch, KVEventLog
 from roseray.engine.request import Request
-
-_ROOT_HASH = 0x5EED  # parent hash of a request's first block
-
-
-def hash_block(parent_hash: int, token_ids: list[int]) -> int:
-    """Hash of a full block: chains the parent block's hash with this block's tokens."""
-    return hash((parent_hash, tuple(token_ids)))
 
 
 class BlockManager:
@@ -58,6 +55,9 @@ class BlockManager:
 
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # prompt tokens found cached
+        # A slow consumer's backlog beyond twice the cache's blocks costs more than a snapshot.
+        self.kv_events = KVEventLog(max_pending=2 * num_blocks)
+        self._events: KVEventLog | None = None  # self.kv_events once a consumer enabled it
 
     # ---- capacity -------------------------------------------------------------------
     @property
@@ -165,7 +165,37 @@ class BlockManager:
                 self.is_cached[block] = True
                 self.block_hashes[block] = block_hash
                 self._hash_to_block[block_hash] = block
+                if self._events is not None:
+                    self._events.stored(block_hash)
         req.num_committed_blocks = num_full
+
+    def reset_prefix_cache(self) -> None:
+        """Unpublish every cached block: free ones return to the free stack, blocks in use stay
+        with their requests (and are not published again: their requests' committed blocks
+        stay committed)."""
+        for block in self._evictable:
+            self._free.append(block)
+        self._evictable.clear()
+        self._hash_to_block.clear()
+        self.is_cached[:] = False
+        if self._events is not None:
+            self._events.cleared()
+
+    # ---- KV cache events (the Router's index) -------------------------------------------
+    def drain_kv_events(self) -> KVEventBatch:
+        """The prefix cache's changes since the last drain (recording starts with the first call)."""
+        self._enable_kv_events()
+        return self._events.drain()
+
+    def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """Every cached chain hash, for a consumer that lost events (or starts late)."""
+        self._enable_kv_events()
+        return self._events.snapshot(list(self._hash_to_block))
+
+    def _enable_kv_events(self) -> None:
+        if self._events is None:
+            self.kv_events.enable(cache_empty=not self._hash_to_block)
+            self._events = self.kv_events
 
     # ---- internals --------------------------------------------------------------------
     def _match_prefix(self, req: Request) -> list[int]:
@@ -185,12 +215,7 @@ class BlockManager:
 
     def _extend_hashes(self, req: Request, num_blocks: int) -> list[int]:
         """The request's block hashes, extended to at least `num_blocks` full blocks."""
-        hashes, size, tokens = self.request_hashes(req), self.block_size, req.token_ids
-        parent = hashes[-1] if hashes else _ROOT_HASH
-        for i in range(len(hashes), num_blocks):
-            parent = hash_block(parent, tokens[i * size : (i + 1) * size])
-            hashes.append(parent)
-        return hashes
+        return extend_chain(self.request_hashes(req), req.token_ids, self.block_size, num_blocks)
 
     def _grow(self, req: Request, count: int) -> None:
         row = self.block_tables[req.row]
@@ -204,8 +229,11 @@ class BlockManager:
         else:  # evict the least recently freed cached block
             block = next(iter(self._evictable))
             del self._evictable[block]
-            del self._hash_to_block[int(self.block_hashes[block])]
+            block_hash = int(self.block_hashes[block])
+            del self._hash_to_block[block_hash]
             self.is_cached[block] = False
+            if self._events is not None:
+                self._events.removed(block_hash)
         self.ref_counts[block] = 1
         return block
 

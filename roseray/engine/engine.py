@@ -15,6 +15,7 @@ import torch
 from roseray.config import EngineConfig
 from roseray.engine.block_manager import BlockManager
 from roseray.engine.detokenizer import find_stop_string, make_detokenizer, prepare_detokenization
+from roseray.engine.kv_events import KVCacheSnapshot, KVEventBatch
 from roseray.engine.limits import RequestLimits
 from roseray.engine.model_runner import ModelRunner
 from roseray.engine.outputs import EngineStats, RequestDelta
@@ -422,6 +423,14 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             engine_steps_total=self.engine_steps_total, engine_step_seconds_total=self.step_seconds_total,
             engine_output_seconds_total=self.output_seconds_total)
+
+    def drain_kv_events(self) -> KVEventBatch:
+        """The prefix cache's changes since the last call (kv_events.py); the first call starts recording."""
+        return self.block_manager.drain_kv_events()
+
+    def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """(epoch, seq, every cached chain hash): what a consumer that lost events resyncs from."""
+        return self.block_manager.kv_cache_snapshot()
 
     def check_integrity(self) -> None:
         live = list(self.scheduler.running) + list(self.scheduler.waiting)
