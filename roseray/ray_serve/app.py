@@ -34,6 +34,7 @@ from roseray.openai_api.api_processes import APIProcessSettings
 from roseray.openai_api.metrics_share import MetricsShare
 from roseray.ray_serve import wiring
 from roseray.ray_serve.haproxy_env import router_replicas_in_env
+from roseray.ray_serve.kv_event_feed import KVEventFeed
 from roseray.ray_serve.ready import ReadyAnnouncement
 from roseray.ray_serve.replica_api_processes import ReplicaAPIProcesses, start_shared_engine
 from roseray.ray_serve.router_endpoint import RouterEndpoint
@@ -57,7 +58,10 @@ def resolve_api_key(configured: str | None) -> str | None:
 class EngineDeployment:
     """One engine replica: a full continuous-batching engine and its OpenAI app."""
 
-    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, ticket_secret: str) -> None:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, ticket_secret: str,
+                 kv_snapshot_every: int | None = None) -> None:
+        """`kv_snapshot_every`: send the Router this engine's KV cache events with its routing
+        stats (a snapshot every that many periods; kv_event_feed.py); None: none sent."""
         self.tickets = TicketSigner(ticket_secret)
         context = serve.get_replica_context()
         self.replica_name = f"{context.deployment}#{context.replica_id.unique_id}"
@@ -73,6 +77,7 @@ class EngineDeployment:
             self.engine = AsyncLLMEngine.from_engine_config(engine_config,
                                                             stuck_after_s=self.server_config.stuck_after_s)
         self.engine.start()
+        self.kv_feed = KVEventFeed(self.engine, kv_snapshot_every) if kv_snapshot_every else None
         if self.api_processes is not None:
             self.api_processes.start()  # once Serve's server listens, after this constructor
 
@@ -88,11 +93,16 @@ class EngineDeployment:
             return None  # HAProxy's fallback path: Serve's proxy routed it with the deployment's RequestRouter
         return self.tickets.check_request(request)
 
-    def record_routing_stats(self) -> dict[str, Any]:
+    async def record_routing_stats(self) -> dict[str, Any]:
         s = self.engine.stats
-        return {"queue": max(s.queue_depth, self.engine.num_active_requests), "running": s.num_running,
-                "waiting": s.num_waiting, "kv_free": s.num_free_blocks, "kv_total": s.num_total_blocks,
-                "ts": time.time()}
+        stats = {"queue": max(s.queue_depth, self.engine.num_active_requests), "running": s.num_running,
+                 "waiting": s.num_waiting, "kv_free": s.num_free_blocks, "kv_total": s.num_total_blocks,
+                 "ts": time.time()}
+        if self.kv_feed is not None:
+            kv = await self.kv_feed.poll()
+            if kv is not None:
+                stats["kv"] = kv
+        return stats
 
     def check_health(self) -> None:
         self.engine.check_health()

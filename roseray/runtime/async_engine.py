@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from roseray import envs
 from roseray.config import EngineConfig
+from roseray.engine.kv_events import KVCacheSnapshot, KVEventBatch
 from roseray.engine.outputs import ENGINE_STATS_FIELDS, EngineStats, RequestDelta
 from roseray.runtime.engine_client import EngineClient
 from roseray.runtime.engine_process import freeze_startup_objects
@@ -43,7 +44,7 @@ __all__ = ["AsyncLLMEngine", "AsyncEngineStats", "EngineRequestError", "EngineUn
 
 logger = logging.getLogger(__name__)
 
-INTEGRITY_POLL_S = 0.002  # how often check_integrity looks for its reply
+INTEGRITY_POLL_S = 0.002  # how often check_integrity (and kv_events) looks for its reply
 
 
 class LoopState(enum.Enum):
@@ -167,13 +168,34 @@ class AsyncLLMEngine:
         self._bind_here()
         client = self.client
         call_id = self._engine_call(client.send_integrity_check)
+        await self._wait_for_reply(call_id, client.integrity_replied, timeout_s)
+        client.take_integrity_reply(call_id)
+        return self._block_counts()
+
+    async def kv_events(self, snapshot: bool = False, timeout_s: float = 10.0) -> KVEventBatch | KVCacheSnapshot:
+        """The engine's KV cache events since the previous call (a KVEventBatch), or with `snapshot`
+        a KVCacheSnapshot of its whole prefix cache, taken between two steps: what a Ray replica
+        sends the Router's cache index. One consumer per engine (each call drains the log)."""
+        if self._stop:
+            raise EngineUnavailableError(f"the engine is not running ({self._state.value})")
+        loop = self._loop
+        if loop is not None and loop.is_running() and loop is not asyncio.get_running_loop():
+            asked = asyncio.run_coroutine_threadsafe(self.kv_events(snapshot, timeout_s), loop)
+            return await asyncio.wrap_future(asked)
+        self._bind_here()
+        client = self.client
+        call_id = self._engine_call(client.send_kv_events_request, snapshot)
+        await self._wait_for_reply(call_id, client.kv_events_replied, timeout_s)
+        return client.take_kv_events(call_id)
+
+    async def _wait_for_reply(self, call_id: int | None, replied, timeout_s: float) -> None:
+        """Until `replied(call_id)` (the outputs' reader files the engine's reply); EngineUnavailableError
+        when the engine dies or does not answer within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while call_id is None or not client.integrity_replied(call_id):
+        while call_id is None or not replied(call_id):
             if self._state is LoopState.DEAD or time.monotonic() > deadline:
                 raise EngineUnavailableError(f"the engine did not answer within {timeout_s:.0f} s")
             await asyncio.sleep(INTEGRITY_POLL_S)
-        client.take_integrity_reply(call_id)
-        return self._block_counts()
 
     def _check_closed_engine(self) -> dict[str, int]:
         client = self.client

@@ -7,7 +7,8 @@ thread calls a client. It watches `outputs_fd`, and when that is readable it cal
 `read_outputs()`, which returns every delta that arrived since the last call (one or
 several engine steps' worth) without waiting. `add_request` checks a request at once
 (ValueError says why it can never run) and holds it until `flush_commands()`; an abort or
-an integrity check sends the held adds first, so it never overtakes one.
+an integrity check sends the held adds first, so it never overtakes one. KV cache events
+(`send_kv_events_request`) are asked for and answered like an integrity check.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from roseray.config import EngineConfig
+from roseray.engine.kv_events import KVCacheSnapshot, KVEventBatch
 from roseray.engine.limits import RequestLimits
 from roseray.engine.outputs import EngineStats, RequestDelta
 from roseray.engine.structured_output import check_structured_outputs
@@ -55,7 +57,8 @@ class EngineClient(abc.ABC):
         self.num_adds_sent = 0  # adds sent to the engine (flush_commands, or before an abort or a check)
         self.num_adds_applied = 0  # of those, the ones the engine had taken as of get_stats()
         self._replies: dict[int, str | None] = {}  # integrity check call id -> what it found wrong, or None
-        self._call_ids = itertools.count()  # integrity checks' call ids
+        self._call_ids = itertools.count()  # integrity checks' and KV event requests' call ids
+        self._kv_replies: dict[int, KVEventBatch | KVCacheSnapshot] = {}  # KV event request call id -> answer
         # as of the last outputs read; before any, an empty engine of this size
         self._stats = EngineStats(num_free_blocks=limits.num_blocks, num_total_blocks=limits.num_blocks)
 
@@ -120,6 +123,18 @@ class EngineClient(abc.ABC):
         failure = self._replies.pop(call_id)
         if failure is not None:
             raise AssertionError(failure)
+
+    @abc.abstractmethod
+    def send_kv_events_request(self, snapshot: bool = False) -> int:
+        """Ask for the engine's KV cache events since the last request (a KVEventBatch), or with
+        `snapshot` for a KVCacheSnapshot of its prefix cache; returns the call id. The answer
+        comes with the outputs (kv_events_replied, then take_kv_events). One consumer per engine."""
+
+    def kv_events_replied(self, call_id: int) -> bool:
+        return call_id in self._kv_replies
+
+    def take_kv_events(self, call_id: int) -> KVEventBatch | KVCacheSnapshot:
+        return self._kv_replies.pop(call_id)
 
     @abc.abstractmethod
     def heartbeat(self) -> float:

@@ -27,7 +27,9 @@ from roseray.runtime.messages import (
     AbortRequest,
     AddRequests,
     CheckIntegrity,
+    GetKVEvents,
     IntegrityReply,
+    KVEventsReply,
     StepOutputs,
     Stop,
     decode,
@@ -135,6 +137,9 @@ def apply_command(engine: LLMEngine, data: bytes, client: ClientPipes) -> bool:
                 failure = str(error) or "integrity check failed"
             client.send(IntegrityReply(call_id, failure, engine.get_stats(),
                                        client.adds_applied[client.index]).encode())
+        case GetKVEvents(call_id, snapshot):
+            events = engine.kv_cache_snapshot() if snapshot else engine.drain_kv_events()
+            client.send(KVEventsReply(call_id, events).encode())
         case Stop():
             return True
         case other:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from roseray.engine.engine import LLMEngine
+from roseray.engine.kv_events import KVCacheSnapshot, KVEventBatch
 from roseray.engine.outputs import EngineStats, RequestDelta
 from roseray.runtime.engine_client import EngineClient, EngineError
 from roseray.sampling_params import SamplingParams
@@ -41,6 +42,12 @@ class _Reply:
     failure: str | None
     stats: EngineStats
     adds_applied: int
+
+
+@dataclass(slots=True)
+class _KVReply:
+    call_id: int
+    events: KVEventBatch | KVCacheSnapshot
 
 
 @dataclass(slots=True)
@@ -116,6 +123,8 @@ class InProcessEngineClient(EngineClient):
             elif type(item) is _Reply:
                 self._replies[item.call_id] = item.failure
                 self._stats, self.num_adds_applied = item.stats, item.adds_applied
+            elif type(item) is _KVReply:
+                self._kv_replies[item.call_id] = item.events
             else:
                 raise EngineError(f"the engine thread died: {item.error!r}") from item.error
         requests = self._requests
@@ -131,6 +140,13 @@ class InProcessEngineClient(EngineClient):
         call_id = next(self._call_ids)
         self._command(("check_integrity", call_id))
         if self._closed:  # the thread has ended: the check runs here, its reply waits in the outbox
+            self._apply_commands()
+        return call_id
+
+    def send_kv_events_request(self, snapshot: bool = False) -> int:
+        call_id = next(self._call_ids)
+        self._command(("kv_snapshot" if snapshot else "kv_events", call_id))
+        if self._closed:  # the thread has ended: answered here, the reply waits in the outbox
             self._apply_commands()
         return call_id
 
@@ -204,6 +220,10 @@ class InProcessEngineClient(EngineClient):
                 self._applied += len(argument)
             elif kind == "abort":
                 engine.abort_request(argument)
+            elif kind == "kv_events":
+                self._post(_KVReply(argument, engine.drain_kv_events()))
+            elif kind == "kv_snapshot":
+                self._post(_KVReply(argument, engine.kv_cache_snapshot()))
             else:
                 try:
                     engine.check_integrity()
@@ -214,7 +234,7 @@ class InProcessEngineClient(EngineClient):
         if refused:
             self._post(_Step(refused, engine.get_stats(), self._applied, None, time.monotonic()))
 
-    def _post(self, item: _Step | _Reply | _Died) -> None:
+    def _post(self, item: _Step | _Reply | _KVReply | _Died) -> None:
         self._outbox.append(item)
         if not self._told and not self._closed:
             self._told = True

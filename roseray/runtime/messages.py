@@ -5,10 +5,14 @@ On the wire a message is a JSON array, its kind then its fields in the class's o
 then the bytes); no pickle. The first message on the first client's command pipe is
 `Start` (the engine config); then
 
-    client -> engine   AddRequests | AbortRequest | CheckIntegrity | Stop
+    client -> engine   AddRequests | AbortRequest | CheckIntegrity | GetKVEvents | Stop
     engine -> client   Ready | StartFailed                      (once, at start)
                        StepOutputs                               (after every step with requests)
-                       IntegrityReply                            (to the client that asked)
+                       IntegrityReply | KVEventsReply            (to the client that asked)
+
+KV cache events (GetKVEvents) have one consumer per engine: each drain hands the events
+since the previous one to whoever asked, so a second consumer would split the stream (a
+Ray replica's own client asks, for the Router; API processes never do).
 
 Each client's count of adds the engine has taken travels with the stats, so that a client
 knows which of its adds the stats already show (the queue limit counts the others).
@@ -30,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 from roseray.config import EngineConfig
+from roseray.engine.kv_events import KVCacheSnapshot, KVEventBatch
 from roseray.engine.limits import RequestLimits
 from roseray.engine.outputs import EngineStats, RequestDelta
 from roseray.sampling_params import SamplingParams
@@ -108,6 +113,22 @@ class CheckIntegrity:
     @classmethod
     def from_fields(cls, call_id) -> CheckIntegrity:
         return cls(call_id)
+
+
+@dataclass(slots=True)
+class GetKVEvents:
+    """Drain the engine's KV cache events between two steps, or (`snapshot`) take a snapshot of
+    its whole prefix cache instead; answered by KVEventsReply."""
+
+    call_id: int
+    snapshot: bool
+
+    def encode(self) -> bytes:
+        return _dumps(["kv_events", self.call_id, self.snapshot])
+
+    @classmethod
+    def from_fields(cls, call_id, snapshot) -> GetKVEvents:
+        return cls(call_id, bool(snapshot))
 
 
 @dataclass(slots=True)
@@ -227,10 +248,27 @@ class IntegrityReply:
         return cls(call_id, failure, EngineStats(*stats), adds_applied)
 
 
-Message = (Start | AddRequests | AbortRequest | CheckIntegrity | Stop | Ready | StartFailed | StepOutputs
-           | IntegrityReply)
+@dataclass(slots=True)
+class KVEventsReply:
+    """The answer to GetKVEvents: the batch drained, or the snapshot taken."""
+
+    call_id: int
+    events: KVEventBatch | KVCacheSnapshot
+
+    def encode(self) -> bytes:
+        kind = "snapshot" if isinstance(self.events, KVCacheSnapshot) else "batch"
+        return _dumps(["kv_reply", self.call_id, kind, self.events.to_dict()])
+
+    @classmethod
+    def from_fields(cls, call_id, kind, events) -> KVEventsReply:
+        return cls(call_id, (KVCacheSnapshot if kind == "snapshot" else KVEventBatch).from_dict(events))
+
+
+Message = (Start | AddRequests | AbortRequest | CheckIntegrity | GetKVEvents | Stop | Ready | StartFailed
+           | StepOutputs | IntegrityReply | KVEventsReply)
 _KINDS = {"start": Start, "add": AddRequests, "abort": AbortRequest, "check_integrity": CheckIntegrity,
-          "stop": Stop, "ready": Ready, "failed": StartFailed, "step": StepOutputs, "reply": IntegrityReply}
+          "kv_events": GetKVEvents, "stop": Stop, "ready": Ready, "failed": StartFailed, "step": StepOutputs,
+          "reply": IntegrityReply, "kv_reply": KVEventsReply}
 
 
 def decode(data: bytes) -> Message:

@@ -25,7 +25,9 @@ from roseray.runtime.messages import (
     AbortRequest,
     AddRequests,
     CheckIntegrity,
+    GetKVEvents,
     IntegrityReply,
+    KVEventsReply,
     Ready,
     StartFailed,
     StepOutputs,
@@ -137,6 +139,11 @@ class EngineProcessClient(EngineClient):
         self._send(CheckIntegrity(call_id).encode())
         return call_id
 
+    def send_kv_events_request(self, snapshot: bool = False) -> int:
+        call_id = next(self._call_ids)
+        self._send(GetKVEvents(call_id, snapshot).encode())
+        return call_id
+
     def heartbeat(self) -> float:
         return self._last_message if self._requests else time.monotonic()
 
@@ -186,6 +193,9 @@ class EngineProcessClient(EngineClient):
         if type(message) is IntegrityReply:
             self._replies[message.call_id] = message.failure
             self._stats, self.num_adds_applied = message.stats, message.adds_applied
+            return
+        if type(message) is KVEventsReply:
+            self._kv_replies[message.call_id] = message.events
             return
         step: StepOutputs = message
         self.num_steps_read += 1
