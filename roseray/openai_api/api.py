@@ -51,6 +51,7 @@ from roseray.openai_api.openapi import (
     completion_responses,
     install_openapi,
 )
+from roseray.openai_api.prompt_ids import prompt_ids
 from roseray.openai_api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from roseray.openai_api.responses import SSE_DONE, ResponseBuilder, TokenText, sse_event
 from roseray.openai_api.sse_writer import EngineSSEResponse, until_disconnect
@@ -177,18 +178,8 @@ class OpenAIServer:
                 name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
                 raise UnsupportedFieldError(name, f"{name} must be at most {self.max_logprobs} on this server, "
                                                   f"got {params.logprobs}")
-            if isinstance(body, ChatCompletionRequest):
-                text = self.tokenizer.apply_chat_template(body.template_messages(),
-                                                          add_generation_prompt=body.add_generation_prompt,
-                                                          tools=body.template_tools(),
-                                                          **(body.chat_template_kwargs or {}))
-                prompt_ids = self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
-            else:
-                text = None
-                prompt = body.single_prompt()
-                prompt_ids = (self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
-                              if isinstance(prompt, str) else list(prompt))
-            return Prepared(prompt_ids, params, plan, constraint, text)
+            token_ids, text = prompt_ids(body, self.tokenizer)
+            return Prepared(token_ids, params, plan, constraint, text)
         except UnsupportedFieldError as error:
             raise APIError(400, str(error), param=error.param) from None
         except UnicodeError:  # a lone surrogate ("\ud800") parses as JSON but is no text

@@ -29,12 +29,14 @@ from ray.serve.handle import DeploymentHandle
 from roseray import envs
 from roseray.config import EngineConfig, ServerConfig
 from roseray.envs import ROUTER_REPLICAS_ENV
+from roseray.models.loader import load_model_config
 from roseray.openai_api.api import create_app
 from roseray.openai_api.api_processes import APIProcessSettings
 from roseray.openai_api.metrics_share import MetricsShare
 from roseray.ray_serve import wiring
 from roseray.ray_serve.haproxy_env import router_replicas_in_env
 from roseray.ray_serve.kv_event_feed import KVEventFeed
+from roseray.ray_serve.prompt_chain import PromptChainer
 from roseray.ray_serve.ready import ReadyAnnouncement
 from roseray.ray_serve.replica_api_processes import ReplicaAPIProcesses, start_shared_engine
 from roseray.ray_serve.router_endpoint import RouterEndpoint
@@ -42,6 +44,7 @@ from roseray.ray_serve.router_server import LeanRouterServer
 from roseray.ray_serve.routing import HintConfig, KVQueueRequestRouter, hint_from_body
 from roseray.ray_serve.ticket import TicketSigner, new_secret
 from roseray.runtime.async_engine import AsyncLLMEngine
+from roseray.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -129,11 +132,21 @@ class RouterDeployment:
     server stays if that fails (`lean_server=False`: keep Serve's)."""
 
     def __init__(self, engine: DeploymentHandle, ticket_secret: str, hint_config: dict,
-                 policy: str = "kv_queue", lean_server: bool = True, served_model_name: str = "") -> None:
+                 policy: str = "kv_queue", lean_server: bool = True, served_model_name: str = "",
+                 engine_config: EngineConfig | None = None) -> None:
+        """`engine_config`: for policy cache_aware, whose tokenizer hashes prompts as the engine does."""
         self.engine = engine
         self.tickets = TicketSigner(ticket_secret)
         self.hint_config = HintConfig(**hint_config)
         self.policy = policy
+        self.chainer = None
+        if policy == "cache_aware":
+            if engine_config is None:
+                raise ValueError("router.policy cache_aware needs the engine config (its tokenizer)")
+            model_config = load_model_config(engine_config.model, revision=engine_config.revision,
+                                             load_format=engine_config.load_format)
+            tokenizer = load_tokenizer(engine_config.tokenizer, model_config, engine_config.revision)
+            self.chainer = PromptChainer(tokenizer, self.hint_config)
         self.endpoint = RouterEndpoint(self.pick, self.tickets)
         if lean_server:  # takes the port over from Serve's server once it listens (router_server.py)
             try:
@@ -158,6 +171,8 @@ class RouterDeployment:
         """The replica for one request (RuntimeError: none can take it now)."""
         if self.policy == "power_of_two":
             return await pick_with_reservation(self.engine)
+        if self.chainer is not None:  # cache_aware: the prompt's chain as the engine hashes it
+            return await wiring.pick_replica(self.engine, self.chainer.hint(body, truncated))
         return await wiring.pick_replica(self.engine, hint_from_body(body, session_id, self.hint_config, truncated))
 
 
@@ -202,7 +217,13 @@ class RouterArgs(BaseModel):
     # power_of_two: Ray Serve's default PowerOfTwoChoicesRequestRouter on the same data path
     # (HAProxy -> Router -> the replica streams itself), to compare routers; ignores the KV
     # stats and affinity_max_imbalance.
-    policy: Literal["kv_queue", "power_of_two"] = "kv_queue"
+    # cache_aware: KVQueueRequestRouter on the replicas' exact prefix cache contents (their KV cache
+    # events ride on the routing stats) and their load (roseray/ray_serve/cache_aware.py); the Router
+    # tokenizes prompts with the engine's tokenizer, which must be on the Router's node.
+    policy: Literal["kv_queue", "power_of_two", "cache_aware"] = "kv_queue"
+    kv_snapshot_every: int = Field(20, ge=1)  # cache_aware: a full cache snapshot every N stats periods
+    prefill_weight: float = Field(1.0, gt=0)  # cache_aware: cost per prompt block still to prefill
+    load_weight: float | None = Field(None, ge=0)  # cache_aware: cost per request there; None: adaptive
 
     @field_validator("num_replicas")
     @classmethod
@@ -316,11 +337,16 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     chars_per_token = app_args.router.chars_per_token or (1.0 if engine_config.model.startswith("random:") else 4.0)
     hint_config = dataclasses.asdict(HintConfig(block_size=engine_config.block_size, chars_per_token=chars_per_token))
 
-    if app_args.router.policy == "power_of_two":
+    router_args = app_args.router
+    if router_args.policy == "power_of_two":
         router_class: dict[str, Any] = {}  # RequestRouterConfig's default: Ray's PowerOfTwoChoicesRequestRouter
     else:
-        router_class = {"request_router_class": KVQueueRequestRouter,
-                        "request_router_kwargs": {"affinity_max_imbalance": app_args.router.affinity_max_imbalance}}
+        router_kwargs: dict[str, Any] = {"affinity_max_imbalance": router_args.affinity_max_imbalance}
+        if router_args.policy == "cache_aware":
+            router_kwargs.update(policy="cache_aware", prefill_weight=router_args.prefill_weight,
+                                 load_weight=router_args.load_weight)
+        router_class = {"request_router_class": KVQueueRequestRouter, "request_router_kwargs": router_kwargs}
+    cache_aware = router_args.policy == "cache_aware"
 
     engine = EngineDeployment.options(
         num_replicas=num_replicas,
@@ -336,12 +362,14 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
             request_routing_stats_period_s=app_args.router.stats_period_s,
             request_routing_stats_timeout_s=max(1.0, 2 * app_args.router.stats_period_s),
         ),
-    ).bind(engine_config, app_args.server_config(api_processes), secret)
+    ).bind(engine_config, app_args.server_config(api_processes), secret,
+           kv_snapshot_every=router_args.kv_snapshot_every if cache_aware else None)
     router = RouterDeployment.options(
         num_replicas=app_args.router.replicas(), ray_actor_options=ROUTER_ACTOR_OPTIONS,
         max_ongoing_requests=10_000, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
     ).bind(engine, secret, hint_config, app_args.router.policy,
-           served_model_name=app_args.served_model_name or engine_config.model)
+           served_model_name=app_args.served_model_name or engine_config.model,
+           engine_config=engine_config if cache_aware else None)
     logger.info("roseray app: %d engine replica(s) of %s, %s GPU and %d API process(es) each; %d Router(s) per "
                 "proxy node, policy %s", num_replicas, engine_config.model, num_gpus, api_processes,
                 app_args.router.replicas(), app_args.router.policy)

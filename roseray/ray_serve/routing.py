@@ -11,11 +11,18 @@ Signals, per replica:
     `pick_grace_s` after it: a request needs a moment to travel from the pick through
     HAProxy to the replica, and a snapshot taken meanwhile does not contain it yet.
 
-Ranking: replicas whose (estimated) free blocks can hold the request first, then the
-shortest queue, then the most free blocks, ties broken at random. Prefix affinity: the
-router remembers which replica it sent each prompt block-hash chain to; a request whose
-longest known prefix lives on a replica goes there, unless that replica's queue is more
-than `affinity_max_imbalance` above the shortest (the load gate) or it cannot hold it.
+Ranking (`policy="kv_queue"`): replicas whose (estimated) free blocks can hold the request
+first, then the shortest queue, then the most free blocks, ties broken at random. Prefix
+affinity: the router remembers which replica it sent each prompt block-hash chain to; a
+request whose longest known prefix lives on a replica goes there, unless that replica's
+queue is more than `affinity_max_imbalance` above the shortest (the load gate) or it
+cannot hold it.
+
+`policy="cache_aware"`: the free-KV gate first, then the least cost (cache_aware.py): the
+prompt blocks still to prefill at the replica, by its exact cache contents, plus its load.
+The contents come from the replicas' KV cache events (`"kv"` in their routing stats:
+kv_event_feed.py), which every policy feeds into `kv_index` (a KVCacheIndex), each stats
+dict once (by its `ts`); a replica that leaves is forgotten.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from roseray.engine.kv_events import KVCacheSnapshot, KVEventBatch
+from roseray.ray_serve.cache_aware import CacheAwareWeights, common_prefix
+from roseray.ray_serve.kv_index import KVCacheIndex
+
 
 @dataclass(frozen=True)
 class RoutingHint:
@@ -40,6 +51,7 @@ class RoutingHint:
 
     need_blocks: int = 1  # KV blocks the request needs (estimated)
     prefix_hashes: tuple[int, ...] = ()  # block-hash chain of the prompt, shortest prefix first
+    prompt_blocks: int = 0  # the prompt's blocks (cache_aware: the engine's chain is its full ones)
 
     @classmethod
     def from_route_arg(cls, arg: Any) -> RoutingHint | None:
@@ -47,9 +59,11 @@ class RoutingHint:
         RequestRouter by value, so in the router its RoutingHint is another class object
         than the caller's and isinstance() cannot be used."""
         need_blocks, prefix_hashes = getattr(arg, "need_blocks", None), getattr(arg, "prefix_hashes", None)
-        if not isinstance(need_blocks, int) or not isinstance(prefix_hashes, tuple):
+        prompt_blocks = getattr(arg, "prompt_blocks", 0)
+        if not isinstance(need_blocks, int) or not isinstance(prefix_hashes, tuple) or not isinstance(prompt_blocks,
+                                                                                                        int):
             return None
-        return cls(need_blocks, prefix_hashes)
+        return cls(need_blocks, prefix_hashes, prompt_blocks)
 
 
 @dataclass(frozen=True)
@@ -237,14 +251,20 @@ class _Picks:
     """This router's picks of one replica not yet visible in its routing stats."""
 
     seen_ts: float | None = None
-    picks: collections.deque = field(default_factory=collections.deque)  # (time.time(), need_blocks)
+    picks: collections.deque = field(default_factory=collections.deque)  # (time.time(), need_blocks, chain)
 
 
 class RoutingPolicy:
     """The ranking, free of Ray: candidates are anything with `replica_id` and `routing_stats`."""
 
     def __init__(self, *, affinity_max_imbalance: int = 4, affinity_capacity: int = 100_000,
-                 pick_grace_s: float = 0.2, unseen_pick_window_s: float = 2.0, seed: int | None = None) -> None:
+                 pick_grace_s: float = 0.2, unseen_pick_window_s: float = 2.0, seed: int | None = None,
+                 policy: str = "kv_queue", prefill_weight: float = 1.0, load_weight: float | None = None) -> None:
+        if policy not in ("kv_queue", "cache_aware"):
+            raise ValueError(f"policy must be kv_queue or cache_aware, got {policy!r}")
+        self.cache_aware = CacheAwareWeights(prefill_weight, load_weight) if policy == "cache_aware" else None
+        self.kv_index = KVCacheIndex()
+        self._kv_seen_ts: dict[Any, Any] = {}
         self.affinity_max_imbalance = affinity_max_imbalance
         self.pick_grace_s = pick_grace_s
         self.affinity_capacity = affinity_capacity
@@ -266,7 +286,28 @@ class RoutingPolicy:
         else:  # no snapshot yet: count recent picks only
             while picks and picks[0][0] < now - self.unseen_pick_window_s:
                 picks.popleft()
-        return len(picks), sum(blocks for _, blocks in picks)
+        return len(picks), sum(pick[1] for pick in picks)
+
+    def observe(self, replica) -> None:
+        """Feed the replica's KV events (a batch or a snapshot) into `kv_index`, once per stats dict."""
+        stats = replica.routing_stats or {}
+        kv, ts = stats.get("kv"), stats.get("ts")
+        if not isinstance(kv, dict) or ts is None or self._kv_seen_ts.get(replica.replica_id) == ts:
+            return
+        self._kv_seen_ts[replica.replica_id] = ts
+        if "snapshot" in kv:
+            self.kv_index.apply_snapshot(replica.replica_id, KVCacheSnapshot.from_dict(kv["snapshot"]))
+        elif "batch" in kv:
+            self.kv_index.apply(replica.replica_id, KVEventBatch.from_dict(kv["batch"]))
+
+    def cached_blocks(self, replica_id, chain: tuple[int, ...]) -> int:
+        """The leading blocks of `chain` the replica holds (its events), or will hold (this
+        router's picks sent there since its last stats)."""
+        cached = self.kv_index.longest_cached_prefix(replica_id, chain)
+        entry = self._picks.get(replica_id)
+        for pick in entry.picks if entry is not None else ():
+            cached = max(cached, common_prefix(chain, pick[2]))
+        return cached
 
     def score(self, replica, hint: RoutingHint, now: float) -> tuple[int, int, int]:
         stats = replica.routing_stats or {}
@@ -278,9 +319,22 @@ class RoutingPolicy:
         free = int(kv_free) - picked_blocks
         return (0 if free >= hint.need_blocks else 1), queue, -free
 
+    def cache_aware_score(self, replica, hint: RoutingHint, now: float) -> tuple[int, float]:
+        """(0 if it can hold the request else 1, its cost: cache_aware.py)."""
+        fits, queue, _ = self.score(replica, hint, now)
+        chain = hint.prefix_hashes
+        to_prefill = max(hint.prompt_blocks, len(chain)) - self.cached_blocks(replica.replica_id, chain)
+        return fits, self.cache_aware.cost(to_prefill, queue)
+
     def rank(self, candidates: list, hint: RoutingHint | None = None, now: float | None = None) -> list:
         hint = hint or RoutingHint()
         now = time.time() if now is None else now
+        for replica in candidates:
+            self.observe(replica)
+        if self.cache_aware is not None:
+            costed = [(self.cache_aware_score(r, hint, now), self._rng.random(), r) for r in candidates]
+            costed.sort(key=lambda item: (item[0], item[1]))
+            return [r for _, _, r in costed]
         scored = [(self.score(r, hint, now), self._rng.random(), r) for r in candidates]
         scored.sort(key=lambda item: (item[0], item[1]))
         ranked = [r for _, _, r in scored]
@@ -308,7 +362,12 @@ class RoutingPolicy:
     def record_pick(self, replica_id, hint: RoutingHint | None = None, now: float | None = None) -> None:
         hint = hint or RoutingHint()
         now = time.time() if now is None else now
-        self._picks.setdefault(replica_id, _Picks()).picks.append((now, hint.need_blocks))
+        if self.cache_aware is not None:
+            chain = hint.prefix_hashes
+            self.cache_aware.observe(max(hint.prompt_blocks, len(chain)) - self.cached_blocks(replica_id, chain))
+        self._picks.setdefault(replica_id, _Picks()).picks.append((now, hint.need_blocks, hint.prefix_hashes))
+        if self.cache_aware is not None:
+            return
         affinity = self._affinity
         for prefix_hash in hint.prefix_hashes:
             affinity[prefix_hash] = replica_id
@@ -319,6 +378,10 @@ class RoutingPolicy:
     def forget(self, live_replica_ids: set) -> None:
         for replica_id in [r for r in self._picks if r not in live_replica_ids]:
             del self._picks[replica_id]
+        for replica_id in [r for r in self.kv_index.replicas() if r not in live_replica_ids]:
+            self.kv_index.forget(replica_id)
+        for replica_id in [r for r in self._kv_seen_ts if r not in live_replica_ids]:
+            del self._kv_seen_ts[replica_id]
 
 
 class KVQueueRequestRouter(FIFOMixin, RequestRouter):

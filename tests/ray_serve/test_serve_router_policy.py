@@ -43,6 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_app_args_validate_the_router_policy():
     assert AppArgs().router.policy == "kv_queue"
     assert AppArgs(router={"policy": "power_of_two"}).router.policy == "power_of_two"
+    assert AppArgs(router={"policy": "cache_aware"}).router.policy == "cache_aware"
     for bad in ("round_robin", "pow2", "", None):
         with pytest.raises(ValidationError, match="policy"):
             AppArgs(router={"policy": bad})
@@ -60,6 +61,8 @@ def built_app(monkeypatch, policy: str | None):
     (None, KVQueueRequestRouter, {"affinity_max_imbalance": 4}),
     ("kv_queue", KVQueueRequestRouter, {"affinity_max_imbalance": 4}),
     ("power_of_two", PowerOfTwoChoicesRequestRouter, {}),
+    ("cache_aware", KVQueueRequestRouter, {"affinity_max_imbalance": 4, "policy": "cache_aware",
+                                           "prefill_weight": 1.0, "load_weight": None}),
 ])
 def test_the_policy_picks_the_engine_deployments_request_router(monkeypatch, policy, router_class, kwargs):
     built = built_app(monkeypatch, policy)
@@ -71,6 +74,11 @@ def test_the_policy_picks_the_engine_deployments_request_router(monkeypatch, pol
     assert config.request_routing_stats_period_s == 0.25 and engine.num_replicas == 2
     assert built.ingress_request_router_deployment.name == "Router"
     assert built.ingress_request_router_deployment.init_args[-1] == (policy or "kv_queue")
+    # only cache_aware has the engine replicas send their KV cache events, and the Router tokenize
+    cache_aware = policy == "cache_aware"
+    assert engine.init_kwargs["kv_snapshot_every"] == (20 if cache_aware else None)
+    router_config = built.ingress_request_router_deployment.init_kwargs["engine_config"]
+    assert (router_config is not None) == cache_aware
 
 
 def test_power_of_two_picks_with_servers_reservation_not_the_pick_only_path():

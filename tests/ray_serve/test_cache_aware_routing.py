@@ -1,0 +1,198 @@
+"""The cache_aware routing policy (no Ray cluster): KV event batches and snapshots in the
+replicas' routing stats feed the Router's index once per stats dict; a replica holding a
+request's prefix wins while its extra load costs less than the prefill it saves; the free-KV
+gate comes first; a restarted replica (new epoch) or one whose events were lost stops
+attracting the prefix; replicas that leave are forgotten; the Router's prompt chain
+(PromptChainer: the engine's tokenizer, the API's body -> token ids) is the engine's own."""
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from roseray.config import EngineConfig
+from roseray.engine.block_hash import block_chain
+from roseray.engine.engine import LLMEngine
+from roseray.engine.kv_events import KVCacheSnapshot, KVEventBatch
+from roseray.openai_api.prompt_ids import prompt_ids
+from roseray.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from roseray.ray_serve.cache_aware import CacheAwareWeights
+from roseray.ray_serve.prompt_chain import PromptChainer
+from roseray.ray_serve.routing import HintConfig, KVQueueRequestRouter, RoutingHint, RoutingPolicy
+from roseray.sampling_params import SamplingParams
+
+BLOCK = 16
+CHAIN = tuple(block_chain(list(range(300, 300 + 20 * BLOCK)), BLOCK))  # a 20-block prefix
+HINT = RoutingHint(need_blocks=23, prefix_hashes=CHAIN, prompt_blocks=21)
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    routing_stats: dict = field(default_factory=dict)
+
+
+def stats(queue=0, kv_free=100, ts=1000.0, kv=None):
+    values = {"queue": queue, "kv_free": kv_free, "kv_total": 100, "ts": ts}
+    if kv is not None:
+        values["kv"] = kv
+    return values
+
+
+def batch(seq, stored=(), epoch=7, **kwargs):
+    return {"batch": KVEventBatch(epoch, seq, tuple(stored), (), **kwargs).to_dict()}
+
+
+def policy(load_weight=2.0):
+    return RoutingPolicy(policy="cache_aware", load_weight=load_weight, seed=0)
+
+
+def holder_and_other(holder_queue, other_queue=0, kv_free=100):
+    return (Replica("holder", stats(holder_queue, kv_free=kv_free, kv=batch(1, CHAIN))),
+            Replica("other", stats(other_queue, kv=batch(1))))
+
+
+def test_the_replica_holding_a_long_prefix_wins_while_its_queue_costs_less_than_the_prefill_it_saves():
+    # holder: 1 block to prefill + 2 per request; other: 21 blocks + 2 per request
+    for holder_queue, winner in [(0, "holder"), (5, "holder"), (9, "holder"), (11, "other")]:
+        assert policy().rank(list(holder_and_other(holder_queue)), HINT, now=1000.5)[0].replica_id == winner
+    # the other's own queue counts as well
+    assert policy().rank(list(holder_and_other(14, other_queue=5)), HINT, now=1000.5)[0].replica_id == "holder"
+
+
+def test_the_free_kv_gate_comes_first():
+    ranked = policy().rank(list(holder_and_other(0, kv_free=10)), HINT, now=1000.5)
+    assert ranked[0].replica_id == "other"
+
+
+def test_a_restarted_replica_stops_attracting_the_prefix():
+    p = policy()
+    holder, other = holder_and_other(1)
+    assert p.rank([holder, other], HINT, now=1000.5)[0] is holder
+    holder.routing_stats = stats(1, ts=1001.0, kv=batch(1, epoch=8))  # a new engine: its cache is empty
+    assert p.rank([holder, other], HINT, now=1001.5)[0] is other
+
+
+def test_a_lost_batch_makes_the_view_stale_until_a_snapshot():
+    p = policy()
+    holder, other = holder_and_other(1)
+    p.rank([holder, other], HINT, now=1000.5)
+    holder.routing_stats = stats(1, ts=1001.0, kv=batch(3))  # batch 2 never arrived
+    assert p.rank([holder, other], HINT, now=1001.5)[0] is other
+    assert p.kv_index.needs_snapshot("holder")
+    holder.routing_stats = stats(1, ts=1002.0, kv={"snapshot": KVCacheSnapshot(7, 4, CHAIN).to_dict()})
+    assert p.rank([holder, other], HINT, now=1002.5)[0] is holder
+
+
+def test_each_stats_dict_is_applied_once():
+    p = policy()
+    holder, other = holder_and_other(0)
+    p.rank([holder, other], HINT, now=1000.5)
+    p.kv_index.forget("holder")  # were the same dict applied again, batch 1 would rebuild the view
+    p.rank([holder, other], HINT, now=1000.6)
+    assert p.kv_index.longest_cached_prefix("holder", CHAIN) == 0
+
+
+def test_picks_since_the_last_stats_count_as_cached_so_a_burst_of_one_prefix_stays_together():
+    p = RoutingPolicy(policy="cache_aware", seed=1)  # the adaptive load weight
+    a, b = Replica("a", stats(kv=batch(1))), Replica("b", stats(kv=batch(1)))
+    picks = []
+    for _ in range(4):
+        first = p.rank([a, b], HINT, now=1000.5)[0]
+        p.record_pick(first.replica_id, HINT, now=1000.5)
+        picks.append(first.replica_id)
+    assert len(set(picks)) == 1
+    # the mean blocks prefilled fell towards the 1 block each follower had left to prefill
+    assert p.cache_aware.load() < 2.0
+
+
+def test_adaptive_load_weight_is_the_mean_of_blocks_prefilled():
+    weights = CacheAwareWeights()
+    for _ in range(200):
+        weights.observe(30)
+    assert weights.load() == pytest.approx(30, rel=0.01)
+    assert CacheAwareWeights(load_weight=3.0).load() == 3.0
+
+
+def test_replicas_that_leave_are_forgotten_by_the_serve_router():
+    router = KVQueueRequestRouter.__new__(KVQueueRequestRouter)  # the policy part, without a Serve runtime
+    router.initialize_state(policy="cache_aware")
+    holder, other = holder_and_other(0)
+    asyncio.run(router.choose_replicas([holder, other], None))
+    assert set(router.policy.kv_index.replicas()) == {"holder", "other"}
+    router.policy.forget({"other"})
+    assert router.policy.kv_index.replicas() == ["other"]
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="policy"):
+        RoutingPolicy(policy="round_robin")
+
+
+# ---- the Router's chain is the engine's ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model="random:tiny", device="cpu", num_kv_blocks=64, max_model_len=512,
+                                  max_num_seqs=4, block_size=BLOCK))
+
+
+def chainer(engine):
+    return PromptChainer(engine.tokenizer, HintConfig(block_size=BLOCK, chars_per_token=1.0))
+
+
+def serve(engine, token_ids):
+    engine.add_request("r", token_ids, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+CHAT = {"model": "m", "messages": [{"role": "system", "content": "You are terse. " * 12},
+                                   {"role": "user", "content": "Summarise: " + "lorem ipsum " * 20}],
+        "max_tokens": 8}
+
+
+@pytest.mark.parametrize("body, request_class", [
+    (CHAT, ChatCompletionRequest),
+    ({"model": "m", "prompt": "the shared preamble " * 15, "max_tokens": 4}, CompletionRequest),
+    ({"model": "m", "prompt": list(range(260, 400))}, CompletionRequest),
+])
+def test_the_routers_chain_matches_the_engines_events(engine, body, request_class):
+    engine.drain_kv_events()
+    token_ids, _ = prompt_ids(request_class.model_validate(body), engine.tokenizer)
+    serve(engine, token_ids)
+    events = engine.drain_kv_events()
+    hint = chainer(engine).hint(json.dumps(body).encode())
+    assert len(hint.prefix_hashes) == len(token_ids) // BLOCK > 0
+    assert set(hint.prefix_hashes) <= set(events.stored) | set(engine.kv_cache_snapshot().hashes)
+    assert hint.prompt_blocks == -(-len(token_ids) // BLOCK)
+    # routed on those events, the request goes to the replica that served it
+    p = policy()
+    served = Replica("served", stats(2, kv={"snapshot": engine.kv_cache_snapshot().to_dict()}))
+    fresh = Replica("fresh", stats(0, kv=batch(1)))
+    assert p.rank([fresh, served], hint, now=1000.5)[0] is served
+
+
+def test_a_cut_body_gives_the_head_of_the_full_chain(engine):
+    full_body = json.dumps(CHAT).encode()
+    full = chainer(engine).hint(full_body)
+    cut = chainer(engine).hint(full_body[:300], truncated=f"300/{len(full_body)}")
+    assert 0 < len(cut.prefix_hashes) < len(full.prefix_hashes)
+    assert cut.prefix_hashes == full.prefix_hashes[:len(cut.prefix_hashes)]
+    # the size estimate is scaled to the full body (bytes, not tokens: roughly)
+    assert len(cut.prefix_hashes) + 2 < cut.prompt_blocks
+    assert cut.prompt_blocks == pytest.approx(full.prompt_blocks, rel=0.2)
+
+
+def test_an_unreadable_body_gets_a_size_estimate_and_no_chain(engine):
+    hint = chainer(engine).hint(b'{"model": "m", "max_tokens": 40}')
+    assert hint.prefix_hashes == () and hint.need_blocks >= 1
+    assert chainer(engine).hint(b"not json").prefix_hashes == ()
+
+
+def test_chains_are_cached_by_the_prompt(engine):
+    c = chainer(engine)
+    body = dict(CHAT)
+    first = c.hint(json.dumps(body).encode())
+    body["max_tokens"] = 99  # not a prompt field: the same chain, from the cache
+    assert c.hint(json.dumps(body).encode()).prefix_hashes == first.prefix_hashes and len(c._cache) == 1
