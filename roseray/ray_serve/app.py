@@ -2,7 +2,8 @@
 
     client -> HAProxy --POST--> Router /internal/route: KVQueueRequestRouter picks a replica,
                                 signs a ticket (router.policy power_of_two: Ray Serve's
-                                default PowerOfTwoChoicesRequestRouter picks, for comparison)
+                                default PowerOfTwoChoicesRequestRouter picks, for comparison;
+                                cache_aware: on the replicas' exact prefix caches)
            -> HAProxy --------> that Engine replica's own FastAPI app (checks the ticket,
                                 streams SSE itself: no Ray object per token)
 
@@ -172,8 +173,17 @@ class RouterDeployment:
         if self.policy == "power_of_two":
             return await pick_with_reservation(self.engine)
         if self.chainer is not None:  # cache_aware: the prompt's chain as the engine hashes it
-            return await wiring.pick_replica(self.engine, self.chainer.hint(body, truncated))
+            if len(body) > THREAD_TOKENIZE_BYTES:  # a long prompt: tokenized off the event loop
+                hint = await asyncio.to_thread(self.chainer.hint, body, truncated)
+            else:
+                hint = self.chainer.hint(body, truncated)
+            return await wiring.pick_replica(self.engine, hint)
         return await wiring.pick_replica(self.engine, hint_from_body(body, session_id, self.hint_config, truncated))
+
+
+# cache_aware: bodies longer than this are tokenized on a worker thread (prompt_chain.py: about
+# 1.5-3 ms per 1,000 tokens), so that a long prompt does not hold up the Router's other decisions.
+THREAD_TOKENIZE_BYTES = 8 * 1024
 
 
 # The Router replica's process runs its HTTP app and its DeploymentHandle's RequestRouter on
