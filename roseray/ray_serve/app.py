@@ -103,9 +103,7 @@ class EngineDeployment:
                  "waiting": s.num_waiting, "kv_free": s.num_free_blocks, "kv_total": s.num_total_blocks,
                  "ts": time.time()}
         if self.kv_feed is not None:
-            kv = await self.kv_feed.poll()
-            if kv is not None:
-                stats["kv"] = kv
+            stats["kv"] = await self.kv_feed.poll()
         return stats
 
     def check_health(self) -> None:

@@ -73,6 +73,12 @@ class KVCacheIndex:
         view.hashes = set()
         view.confirmed_at = None
 
+    def covers(self, replica: Hashable, epoch: int, seq: int) -> bool:
+        """Whether the replica's view is current (not stale) as of batch `seq` of `epoch` or later:
+        a snapshot as of then would tell it nothing new."""
+        view = self._views.get(replica)
+        return view is not None and not view.stale and view.epoch == epoch and view.seq >= seq
+
     def needs_snapshot(self, replica: Hashable) -> bool:
         view = self._views.get(replica)
         return view is not None and view.stale

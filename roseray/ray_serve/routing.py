@@ -289,16 +289,21 @@ class RoutingPolicy:
         return len(picks), sum(pick[1] for pick in picks)
 
     def observe(self, replica) -> None:
-        """Feed the replica's KV events (a batch or a snapshot) into `kv_index`, once per stats dict."""
+        """Feed the replica's recent KV event batches and snapshots (kv_event_feed.py) into
+        `kv_index`, once per stats dict: those it has not applied yet, in order."""
         stats = replica.routing_stats or {}
-        kv, ts = stats.get("kv"), stats.get("ts")
-        if not isinstance(kv, dict) or ts is None or self._kv_seen_ts.get(replica.replica_id) == ts:
+        kv, ts, replica_id = stats.get("kv"), stats.get("ts"), replica.replica_id
+        if not isinstance(kv, dict) or ts is None or self._kv_seen_ts.get(replica_id) == ts:
             return
-        self._kv_seen_ts[replica.replica_id] = ts
-        if "snapshot" in kv:
-            self.kv_index.apply_snapshot(replica.replica_id, KVCacheSnapshot.from_dict(kv["snapshot"]))
-        elif "batch" in kv:
-            self.kv_index.apply(replica.replica_id, KVEventBatch.from_dict(kv["batch"]))
+        self._kv_seen_ts[replica_id] = ts
+        index = self.kv_index
+        for entry in kv.get("recent", ()):
+            if "snapshot" in entry:
+                snapshot = KVCacheSnapshot.from_dict(entry["snapshot"])
+                if not index.covers(replica_id, snapshot.epoch, snapshot.seq):
+                    index.apply_snapshot(replica_id, snapshot)
+            elif "batch" in entry:
+                index.apply(replica_id, KVEventBatch.from_dict(entry["batch"]))  # one already applied is skipped
 
     def cached_blocks(self, replica_id, chain: tuple[int, ...]) -> int:
         """The leading blocks of `chain` the replica holds (its events), or will hold (this

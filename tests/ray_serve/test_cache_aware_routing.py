@@ -36,12 +36,21 @@ class Replica:
 def stats(queue=0, kv_free=100, ts=1000.0, kv=None):
     values = {"queue": queue, "kv_free": kv_free, "kv_total": 100, "ts": ts}
     if kv is not None:
-        values["kv"] = kv
+        values["kv"] = kv if "recent" in kv else recent(kv)
     return values
 
 
 def batch(seq, stored=(), epoch=7, **kwargs):
+    """One batch entry of a replica's `kv` (kv_event_feed.py)."""
     return {"batch": KVEventBatch(epoch, seq, tuple(stored), (), **kwargs).to_dict()}
+
+
+def snapshot(seq, hashes, epoch=7):
+    return {"snapshot": KVCacheSnapshot(epoch, seq, tuple(hashes)).to_dict()}
+
+
+def recent(*entries):
+    return {"recent": list(entries)}
 
 
 def policy(load_weight=2.0):
@@ -81,8 +90,23 @@ def test_a_lost_batch_makes_the_view_stale_until_a_snapshot():
     holder.routing_stats = stats(1, ts=1001.0, kv=batch(3))  # batch 2 never arrived
     assert p.rank([holder, other], HINT, now=1001.5)[0] is other
     assert p.kv_index.needs_snapshot("holder")
-    holder.routing_stats = stats(1, ts=1002.0, kv={"snapshot": KVCacheSnapshot(7, 4, CHAIN).to_dict()})
+    holder.routing_stats = stats(1, ts=1002.0, kv=snapshot(4, CHAIN))
     assert p.rank([holder, other], HINT, now=1002.5)[0] is holder
+
+
+def test_stats_dicts_missed_are_made_up_by_the_window_of_recent_entries():
+    p = policy()
+    holder, other = Replica("holder", stats(1, kv=batch(1))), Replica("other", stats(0, kv=batch(1)))
+    p.rank([holder, other], HINT, now=1000.5)
+    # the Router missed the dicts of batches 2 and 3 (the prefix was stored in 2); this one has 2..4
+    holder.routing_stats = stats(1, ts=1001.0, kv=recent(batch(2, CHAIN), batch(3), batch(4)))
+    assert p.rank([holder, other], HINT, now=1001.5)[0] is holder
+    assert not p.kv_index.needs_snapshot("holder")
+    # a snapshot in the window is applied only when the view is behind it
+    holder.routing_stats = stats(1, ts=1002.0, kv=recent(batch(4), snapshot(4, ()), batch(5)))
+    assert p.rank([holder, other], HINT, now=1002.5)[0] is holder
+    holder.routing_stats = stats(1, ts=1003.0, kv=recent(snapshot(9, ()), batch(10)))
+    assert p.rank([holder, other], HINT, now=1003.5)[0] is other
 
 
 def test_each_stats_dict_is_applied_once():
@@ -168,7 +192,7 @@ def test_the_routers_chain_matches_the_engines_events(engine, body, request_clas
     assert hint.prompt_blocks == -(-len(token_ids) // BLOCK)
     # routed on those events, the request goes to the replica that served it
     p = policy()
-    served = Replica("served", stats(2, kv={"snapshot": engine.kv_cache_snapshot().to_dict()}))
+    served = Replica("served", stats(2, kv={"snapshot": engine.kv_cache_snapshot().to_dict()}))  # its last dict
     fresh = Replica("fresh", stats(0, kv=batch(1)))
     assert p.rank([fresh, served], hint, now=1000.5)[0] is served
 
