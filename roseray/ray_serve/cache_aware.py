@@ -4,10 +4,10 @@ replica's exact prefix cache contents (kv_index.py) and its load.
     cost = prefill_weight * (prompt blocks still to prefill there) + load_weight * (requests there)
 
 "Prompt blocks still to prefill" is the request's prompt blocks minus the longest prefix of
-its chain the replica holds (as its KV events say, or as this router's picks sent there
-since its last routing stats suggest: those blocks will be cached by the time the request
-runs). "Requests there" is the replica's queue (running + waiting, from its stats) plus
-this router's picks since them.
+its chain the replica holds (as its KV events say, or as this router's picks sent there in
+the last `pick_cache_s` suggest: those blocks are cached once the pick is prefilled, and
+reach the events a stats period or two later). "Requests there" is the replica's queue
+(running + waiting, from its stats) plus this router's picks since them.
 
 The weights, in units of one prompt block's prefill:
   * prefill_weight = 1: the unit;

@@ -74,10 +74,11 @@ class KVCacheIndex:
         view.confirmed_at = None
 
     def covers(self, replica: Hashable, epoch: int, seq: int) -> bool:
-        """Whether the replica's view is current (not stale) as of batch `seq` of `epoch` or later:
-        a snapshot as of then would tell it nothing new."""
+        """Whether the replica's view is current (not stale) as of a batch after `seq` of `epoch`:
+        a snapshot taken after batch `seq` (it holds the events after that batch too) would tell
+        it nothing new."""
         view = self._views.get(replica)
-        return view is not None and not view.stale and view.epoch == epoch and view.seq >= seq
+        return view is not None and not view.stale and view.epoch == epoch and view.seq > seq
 
     def needs_snapshot(self, replica: Hashable) -> bool:
         view = self._views.get(replica)

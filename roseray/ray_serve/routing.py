@@ -251,7 +251,7 @@ class _Picks:
     """This router's picks of one replica not yet visible in its routing stats."""
 
     seen_ts: float | None = None
-    picks: collections.deque = field(default_factory=collections.deque)  # (time.time(), need_blocks, chain)
+    picks: collections.deque = field(default_factory=collections.deque)  # (time.time(), need_blocks)
 
 
 class RoutingPolicy:
@@ -259,12 +259,16 @@ class RoutingPolicy:
 
     def __init__(self, *, affinity_max_imbalance: int = 4, affinity_capacity: int = 100_000,
                  pick_grace_s: float = 0.2, unseen_pick_window_s: float = 2.0, seed: int | None = None,
-                 policy: str = "kv_queue", prefill_weight: float = 1.0, load_weight: float | None = None) -> None:
+                 policy: str = "kv_queue", prefill_weight: float = 1.0, load_weight: float | None = None,
+                 pick_cache_s: float = 2.0) -> None:
         if policy not in ("kv_queue", "cache_aware"):
             raise ValueError(f"policy must be kv_queue or cache_aware, got {policy!r}")
         self.cache_aware = CacheAwareWeights(prefill_weight, load_weight) if policy == "cache_aware" else None
         self.kv_index = KVCacheIndex()
-        self._kv_seen_ts: dict[Any, Any] = {}
+        self._kv_seen_ts: dict[Any, Any] = {}  # replica -> the `ts` of the last stats dict fed to kv_index
+        self._kv_snapshot_applied: dict[Any, tuple[int, int]] = {}  # replica -> (epoch, seq) of its last snapshot
+        self.pick_cache_s = pick_cache_s
+        self._picked_chains: dict[Any, collections.deque] = {}  # replica -> (time, chain) of recent picks
         self.affinity_max_imbalance = affinity_max_imbalance
         self.pick_grace_s = pick_grace_s
         self.affinity_capacity = affinity_capacity
@@ -286,7 +290,7 @@ class RoutingPolicy:
         else:  # no snapshot yet: count recent picks only
             while picks and picks[0][0] < now - self.unseen_pick_window_s:
                 picks.popleft()
-        return len(picks), sum(pick[1] for pick in picks)
+        return len(picks), sum(blocks for _, blocks in picks)
 
     def observe(self, replica) -> None:
         """Feed the replica's recent KV event batches and snapshots (kv_event_feed.py) into
@@ -300,18 +304,25 @@ class RoutingPolicy:
         for entry in kv.get("recent", ()):
             if "snapshot" in entry:
                 snapshot = KVCacheSnapshot.from_dict(entry["snapshot"])
-                if not index.covers(replica_id, snapshot.epoch, snapshot.seq):
+                key = (snapshot.epoch, snapshot.seq)
+                if index.needs_snapshot(replica_id) or (not index.covers(replica_id, *key)
+                                                        and self._kv_snapshot_applied.get(replica_id) != key):
                     index.apply_snapshot(replica_id, snapshot)
+                    self._kv_snapshot_applied[replica_id] = key
             elif "batch" in entry:
                 index.apply(replica_id, KVEventBatch.from_dict(entry["batch"]))  # one already applied is skipped
 
-    def cached_blocks(self, replica_id, chain: tuple[int, ...]) -> int:
+    def cached_blocks(self, replica_id, chain: tuple[int, ...], now: float) -> int:
         """The leading blocks of `chain` the replica holds (its events), or will hold (this
-        router's picks sent there since its last stats)."""
+        router's picks sent there in the last `pick_cache_s`: a request's blocks reach the
+        replica's events only once it has been prefilled and the next stats came)."""
         cached = self.kv_index.longest_cached_prefix(replica_id, chain)
-        entry = self._picks.get(replica_id)
-        for pick in entry.picks if entry is not None else ():
-            cached = max(cached, common_prefix(chain, pick[2]))
+        picked = self._picked_chains.get(replica_id)
+        if picked:
+            while picked and picked[0][0] < now - self.pick_cache_s:
+                picked.popleft()
+            for _, picked_chain in picked:
+                cached = max(cached, common_prefix(chain, picked_chain))
         return cached
 
     def score(self, replica, hint: RoutingHint, now: float) -> tuple[int, int, int]:
@@ -328,7 +339,7 @@ class RoutingPolicy:
         """(0 if it can hold the request else 1, its cost: cache_aware.py)."""
         fits, queue, _ = self.score(replica, hint, now)
         chain = hint.prefix_hashes
-        to_prefill = max(hint.prompt_blocks, len(chain)) - self.cached_blocks(replica.replica_id, chain)
+        to_prefill = max(hint.prompt_blocks, len(chain)) - self.cached_blocks(replica.replica_id, chain, now)
         return fits, self.cache_aware.cost(to_prefill, queue)
 
     def rank(self, candidates: list, hint: RoutingHint | None = None, now: float | None = None) -> list:
@@ -367,11 +378,12 @@ class RoutingPolicy:
     def record_pick(self, replica_id, hint: RoutingHint | None = None, now: float | None = None) -> None:
         hint = hint or RoutingHint()
         now = time.time() if now is None else now
+        self._picks.setdefault(replica_id, _Picks()).picks.append((now, hint.need_blocks))
         if self.cache_aware is not None:
             chain = hint.prefix_hashes
-            self.cache_aware.observe(max(hint.prompt_blocks, len(chain)) - self.cached_blocks(replica_id, chain))
-        self._picks.setdefault(replica_id, _Picks()).picks.append((now, hint.need_blocks, hint.prefix_hashes))
-        if self.cache_aware is not None:
+            self.cache_aware.observe(max(hint.prompt_blocks, len(chain)) - self.cached_blocks(replica_id, chain, now))
+            if chain:
+                self._picked_chains.setdefault(replica_id, collections.deque()).append((now, chain))
             return
         affinity = self._affinity
         for prefix_hash in hint.prefix_hashes:
@@ -385,8 +397,9 @@ class RoutingPolicy:
             del self._picks[replica_id]
         for replica_id in [r for r in self.kv_index.replicas() if r not in live_replica_ids]:
             self.kv_index.forget(replica_id)
-        for replica_id in [r for r in self._kv_seen_ts if r not in live_replica_ids]:
-            del self._kv_seen_ts[replica_id]
+        for table in (self._kv_seen_ts, self._kv_snapshot_applied, self._picked_chains):
+            for replica_id in [r for r in table if r not in live_replica_ids]:
+                del table[replica_id]
 
 
 class KVQueueRequestRouter(FIFOMixin, RequestRouter):

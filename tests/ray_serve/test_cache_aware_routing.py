@@ -102,8 +102,9 @@ def test_stats_dicts_missed_are_made_up_by_the_window_of_recent_entries():
     holder.routing_stats = stats(1, ts=1001.0, kv=recent(batch(2, CHAIN), batch(3), batch(4)))
     assert p.rank([holder, other], HINT, now=1001.5)[0] is holder
     assert not p.kv_index.needs_snapshot("holder")
-    # a snapshot in the window is applied only when the view is behind it
-    holder.routing_stats = stats(1, ts=1002.0, kv=recent(batch(4), snapshot(4, ()), batch(5)))
+    # a snapshot in the window is applied only when the view is behind it (a snapshot taken
+    # after batch 3 is older than the view after batch 4)
+    holder.routing_stats = stats(1, ts=1002.0, kv=recent(batch(4), snapshot(3, ()), batch(5)))
     assert p.rank([holder, other], HINT, now=1002.5)[0] is holder
     holder.routing_stats = stats(1, ts=1003.0, kv=recent(snapshot(9, ()), batch(10)))
     assert p.rank([holder, other], HINT, now=1003.5)[0] is other
@@ -129,6 +130,18 @@ def test_picks_since_the_last_stats_count_as_cached_so_a_burst_of_one_prefix_sta
     assert len(set(picks)) == 1
     # the mean blocks prefilled fell towards the 1 block each follower had left to prefill
     assert p.cache_aware.load() < 2.0
+    # after pick_cache_s (2 s) the picks no longer count as cached: the events alone would tell
+    assert p.cached_blocks(picks[0], CHAIN, now=1000.5) == 20
+    assert p.cached_blocks(picks[0], CHAIN, now=1003.0) == 0
+
+
+def test_a_snapshot_taken_after_the_last_batch_holds_the_events_since():
+    p = policy()
+    holder, other = Replica("holder", stats(1, kv=batch(1))), Replica("other", stats(0, kv=batch(1)))
+    p.rank([holder, other], HINT, now=1000.5)
+    # the safety-net snapshot after batch 1: it holds what was stored since (batch 2 will repeat it)
+    holder.routing_stats = stats(1, ts=1001.0, kv=recent(batch(1), snapshot(1, CHAIN)))
+    assert p.rank([holder, other], HINT, now=1001.5)[0] is holder
 
 
 def test_adaptive_load_weight_is_the_mean_of_blocks_prefilled():
