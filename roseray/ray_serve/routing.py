@@ -336,11 +336,17 @@ class RoutingPolicy:
         return (0 if free >= hint.need_blocks else 1), queue, -free
 
     def cache_aware_score(self, replica, hint: RoutingHint, now: float) -> tuple[int, float]:
-        """(0 if it can hold the request else 1, its cost: cache_aware.py)."""
-        fits, queue, _ = self.score(replica, hint, now)
+        """(0 if it can hold the request else 1, its cost: cache_aware.py). The gate counts
+        the blocks the request needs beyond the prefix the replica holds (its own picks' too:
+        requests sharing a prefix share its blocks)."""
+        stats = replica.routing_stats or {}
+        num_picks, picked_blocks = self._pending(replica.replica_id, stats, now)
+        queue = int(stats.get("queue", 0)) + num_picks
         chain = hint.prefix_hashes
-        to_prefill = max(hint.prompt_blocks, len(chain)) - self.cached_blocks(replica.replica_id, chain, now)
-        return fits, self.cache_aware.cost(to_prefill, queue)
+        cached = self.cached_blocks(replica.replica_id, chain, now)
+        kv_free = stats.get("kv_free")
+        fits = kv_free is None or int(kv_free) - picked_blocks >= hint.need_blocks - cached
+        return (0 if fits else 1), self.cache_aware.cost(max(hint.prompt_blocks, len(chain)) - cached, queue)
 
     def rank(self, candidates: list, hint: RoutingHint | None = None, now: float | None = None) -> list:
         hint = hint or RoutingHint()
@@ -378,13 +384,15 @@ class RoutingPolicy:
     def record_pick(self, replica_id, hint: RoutingHint | None = None, now: float | None = None) -> None:
         hint = hint or RoutingHint()
         now = time.time() if now is None else now
-        self._picks.setdefault(replica_id, _Picks()).picks.append((now, hint.need_blocks))
         if self.cache_aware is not None:
             chain = hint.prefix_hashes
-            self.cache_aware.observe(max(hint.prompt_blocks, len(chain)) - self.cached_blocks(replica_id, chain, now))
+            cached = self.cached_blocks(replica_id, chain, now)
+            self._picks.setdefault(replica_id, _Picks()).picks.append((now, max(0, hint.need_blocks - cached)))
+            self.cache_aware.observe(max(hint.prompt_blocks, len(chain)) - cached)
             if chain:
                 self._picked_chains.setdefault(replica_id, collections.deque()).append((now, chain))
             return
+        self._picks.setdefault(replica_id, _Picks()).picks.append((now, hint.need_blocks))
         affinity = self._affinity
         for prefix_hash in hint.prefix_hashes:
             affinity[prefix_hash] = replica_id

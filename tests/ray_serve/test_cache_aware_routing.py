@@ -71,8 +71,20 @@ def test_the_replica_holding_a_long_prefix_wins_while_its_queue_costs_less_than_
 
 
 def test_the_free_kv_gate_comes_first():
-    ranked = policy().rank(list(holder_and_other(0, kv_free=10)), HINT, now=1000.5)
+    ranked = policy().rank(list(holder_and_other(0, kv_free=2)), HINT, now=1000.5)
     assert ranked[0].replica_id == "other"
+
+
+def test_the_gate_counts_only_the_blocks_beyond_the_cached_prefix():
+    # 23 blocks needed, 20 of them cached at the holder: 10 free blocks hold the rest
+    assert policy().rank(list(holder_and_other(0, kv_free=10)), HINT, now=1000.5)[0].replica_id == "holder"
+    # a burst sharing the prefix shares its blocks: each pick takes 3 new blocks, not 23
+    p = policy(load_weight=0.5)
+    holder, other = holder_and_other(0, kv_free=30)
+    for _ in range(5):
+        first = p.rank([holder, other], HINT, now=1000.5)[0]
+        p.record_pick(first.replica_id, HINT, now=1000.5)
+        assert first is holder
 
 
 def test_a_restarted_replica_stops_attracting_the_prefix():
