@@ -233,6 +233,11 @@ class AppArgs(BaseModel):
     num_replicas: int | Literal["auto"] = "auto"  # "auto": one per GPU in the cluster, or 1 without GPUs
     num_gpus_per_replica: float | Literal["auto"] = "auto"  # "auto": 1 when the cluster has GPUs, else 0
     num_cpus_per_replica: float = 1.0
+    # Placement on a multi-node cluster (deploy/README.md, "Replica placement"): custom resources each
+    # engine replica reserves (a node offers them at `ray start --resources`), pinning replicas to the nodes
+    # that offer them; and Serve's cap on this deployment's replicas per node (None: no cap).
+    resources_per_replica: dict[str, float] = Field(default_factory=dict)
+    max_replicas_per_node: int | None = None
     # processes that write each engine replica's HTTP streams, on the replica's port: 1 is the replica's
     # own server; N > 1 starts N API processes that take the port over (ray_serve/replica_api_processes.py).
     # "auto": GPU_REPLICA_API_PROCESSES on GPU replicas (one process cannot write 128 streams every
@@ -314,7 +319,9 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
 
     engine = EngineDeployment.options(
         num_replicas=num_replicas,
-        ray_actor_options={"num_gpus": num_gpus, "num_cpus": app_args.num_cpus_per_replica},
+        ray_actor_options={"num_gpus": num_gpus, "num_cpus": app_args.num_cpus_per_replica,
+                           **({"resources": app_args.resources_per_replica} if app_args.resources_per_replica else {})},
+        max_replicas_per_node=app_args.max_replicas_per_node,
         max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_waiting_requests + 64,
         # the drain, then (API processes) their own uvicorn shutdown and the engine child's exit
         graceful_shutdown_timeout_s=app_args.drain_timeout_s + (5 if api_processes == 1 else 20),
