@@ -28,6 +28,15 @@ def hash_block(parent_hash: int, token_ids: list[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
+def block_chain(token_ids: list[int], block_size: int, num_blocks: int) -> list[int]:
+    """The hashes of the first `num_blocks` full blocks of `token_ids`, as the prefix cache keys them."""
+    hashes, parent = [], _ROOT_HASH
+    for i in range(num_blocks):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
     def __init__(
         self,
@@ -166,6 +175,15 @@ class BlockManager:
                 self.block_hashes[block] = block_hash
                 self._hash_to_block[block_hash] = block
         req.num_committed_blocks = num_full
+
+    def num_cached_prefix_blocks(self, chain: list[int]) -> int:
+        """How many leading blocks of a block-hash chain (`block_chain`) the prefix cache holds
+        now: what a request with that chain would not have to prefill here."""
+        cached = self._hash_to_block
+        for i, block_hash in enumerate(chain):
+            if block_hash not in cached:
+                return i
+        return len(chain)
 
     # ---- internals --------------------------------------------------------------------
     def _match_prefix(self, req: Request) -> list[int]:
