@@ -15,11 +15,12 @@ true number of requests now) and `block_manager` (its real prefix cache).
 - exact: per replica, the prompt blocks it would still have to prefill, read from its
   BlockManager's actual prefix cache (the longest cached run of the request's block chain),
   turned into seconds by the step-time model, plus its queue (snapshot + picks, as
-  RoutingPolicy counts it) x `queue_delay_s`; behind RoutingPolicy's free-KV gate; ties at
-  random. `queue_delay_s`, what one more request ahead costs a newcomer, defaults to the
-  prefill of `queue_tokens` = 512 uncached tokens after a 6k prefix (~6 ms with the
-  provisional model): a tenant's cached 6k prefix (~56 ms to prefill) outweighs ~9 requests
-  of queue, near RoutingPolicy's affinity_max_imbalance of 4 but graded instead of a cut-off.
+  RoutingPolicy counts it) x `queue_delay_s`; behind RoutingPolicy's free-KV gate; ties go
+  to the most free blocks (as RoutingPolicy's), then at random. `queue_delay_s`, what one
+  more request ahead costs a newcomer, defaults to the prefill of `queue_tokens` = 512
+  uncached tokens after a 6k prefix (~6 ms with the provisional model): a tenant's cached
+  6k prefix (~52 ms to prefill) outweighs ~9 requests of queue: RoutingPolicy's
+  affinity_max_imbalance (4) made graded instead of a cut-off.
 """
 
 from __future__ import annotations
@@ -118,13 +119,14 @@ class ExactPolicy:
         self.load = RoutingPolicy(seed=seed)  # its free-KV gate and queue count (snapshot + picks)
         self._rng = random.Random(seed)
 
-    def cost(self, replica, request: RouteRequest, chain: list[int], now: float) -> tuple[int, float]:
-        """(0 if the replica can hold the request else 1, estimated seconds before its first token)."""
-        fits, queue, _ = self.load.score(replica, RoutingHint(need_blocks=request.need_blocks), now)
+    def cost(self, replica, request: RouteRequest, chain: list[int], now: float) -> tuple[int, float, int]:
+        """(0 if the replica can hold the request else 1, estimated seconds before its first
+        token, minus its estimated free blocks: RoutingPolicy's last criterion)."""
+        fits, queue, neg_free = self.load.score(replica, RoutingHint(need_blocks=request.need_blocks), now)
         size = request.block_size
         cached = replica.block_manager.num_cached_prefix_blocks(chain) * size
         prefill = self.model.prefill_seconds(len(request.prompt_ids) - cached, cached)
-        return fits, prefill + queue * self.queue_delay_s
+        return fits, prefill + queue * self.queue_delay_s, neg_free
 
     def choose(self, replicas: list, request: RouteRequest, now: float):
         size = request.block_size
