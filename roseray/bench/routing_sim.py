@@ -229,7 +229,6 @@ def simulate(workload, policy, num_replicas: int, *, qps: float = 0.0, config: R
     for record in records.values():
         ttft.append((record.first_token_s if record.first_token_s is not None else now) - record.arrival_s)
         num_finished += record.finish_s is not None
-    ttft += [now - s.arrival_s for s in specs[next_arrival:] if s.arrival_s <= now]
     output_tokens = len(itl) + sum(1 for r in records.values() if r.first_token_s is not None)
     queries = sum(r.block_manager.prefix_cache_queries for r in replicas)
     hits = sum(r.block_manager.prefix_cache_hits for r in replicas)
