@@ -5,6 +5,7 @@ A burst of streams (more than the target per replica) scales 1 -> 2 and the new 
 streams once ready; then a trickle (below the target for one replica) scales 2 -> 1, and the
 streams in flight on the replica Serve stops finish. No request may fail at any point."""
 
+import itertools
 import threading
 import time
 
@@ -17,7 +18,7 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.ray
 
-TARGET_REQUESTS = 4
+TARGET_REQUESTS = 6
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_requests_per_replica": TARGET_REQUESTS,
                "upscale_delay_s": 2, "downscale_delay_s": 4, "look_back_period_s": 2, "metrics_interval_s": 0.5}
 BURST_TOKENS = 200
@@ -26,8 +27,10 @@ TRICKLE_TOKENS = 1500  # long: each trickle worker has a stream in flight at any
 
 @pytest.fixture(scope="module")
 def cluster():
-    # drain_timeout_s long enough for every stream in flight on a stopping replica to finish
-    cluster = RayServeCluster({"num_replicas": 1, "autoscaling": AUTOSCALING, "drain_timeout_s": 60})
+    # drain_timeout_s long enough for every stream in flight on a stopping replica to finish; a KV cache
+    # large enough that the trickle's long streams stay below target_kv_usage (requests alone decide here)
+    cluster = RayServeCluster({"num_replicas": 1, "autoscaling": AUTOSCALING, "drain_timeout_s": 60,
+                               "engine": {"num_kv_blocks": 1024}})
     try:
         cluster.wait_ready()
         wait_for_routing(cluster.url)
@@ -44,9 +47,11 @@ class Streams:
         self.url = url
         self.records: list[dict] = []
         self.lock = threading.Lock()
+        self.numbers = itertools.count()
 
     def one(self, client: httpx.Client, tokens: int) -> None:
-        body = {"prompt": "scale me", "max_tokens": tokens, "ignore_eos": True, "stream": True}
+        # a prompt of its own: no prefix affinity, the Router places streams by queue length alone
+        body = {"prompt": f"{next(self.numbers)} scale me", "max_tokens": tokens, "ignore_eos": True, "stream": True}
         record = {"start": time.monotonic()}
         try:
             with client.stream("POST", self.url + "/v1/completions", json=body) as response:
@@ -98,30 +103,36 @@ def test_a_burst_scales_up_and_an_idle_period_back_down_without_losing_a_stream(
     for thread in burst:
         thread.join(120)
 
-    # trickle: below the target of one replica; Serve stops one of the two while streams run on both
+    # trickle: below the target of one replica, spread over both by the Router (queue lengths), so that
+    # streams run on both when the autoscaler decides to stop one
     stop_trickle = threading.Event()
-    trickle = streams.run(2, TRICKLE_TOKENS, stop_trickle)
-    seen: dict[str, float] = {}  # replica -> last time it was seen RUNNING
+    trickle = streams.run(TARGET_REQUESTS - 1, TRICKLE_TOKENS, stop_trickle)
+    sighted = {"two": 0.0, "one": 0.0}  # last time the target was seen at 2, first time seen at 1
 
-    def one_left() -> bool:
+    def target_one() -> bool:
         asked = time.monotonic()
-        ids = running(cluster)
-        for replica in ids:
-            seen[replica] = asked
-        return len(ids) == 1
+        if cluster.command("target") == 2:
+            sighted["two"] = asked
+            return False
+        sighted["one"] = time.monotonic()
+        return True
 
-    wait_until(one_left, timeout=60, interval=0.1, message=lambda: f"one replica; {cluster.command('replicas')}")
-    gone = time.monotonic()  # the stopped replica was no longer RUNNING by now
-    scaled_down_s = gone - began
+    wait_until(target_one, timeout=60, interval=0.05, message=lambda: f"target 1; {cluster.command('replicas')}")
+    wait_until(lambda: len(running(cluster)) == 1, timeout=60, interval=0.1,
+               message=lambda: f"one replica; {cluster.command('replicas')}")
+    scaled_down_s = time.monotonic() - began
     (stopped,) = {first, second} - running(cluster)
     stop_trickle.set()
     for thread in trickle:
         thread.join(120)
 
     assert not streams.failures(), streams.failures()[:5]
-    # began while it still ran, and ended after it had stopped running: it was in flight through the stop
+    # began before the autoscaler decided to stop a replica, ended after: in flight through the drain
     in_flight_at_stop = [r for r in streams.records
-                         if r["replica"] == stopped and r["start"] < seen[stopped] and r["end"] > gone]
-    assert in_flight_at_stop, "no stream was in flight on the replica scale-down stopped"
+                         if r["replica"] == stopped and r["start"] < sighted["two"] and r["end"] > sighted["one"]]
+    last = [(round(r["start"] - sighted["one"], 2), round(r["end"] - sighted["one"], 2))
+            for r in streams.records if r["replica"] == stopped][-4:]
+    assert in_flight_at_stop, f"no stream in flight on the stopped replica; last (start, end) by the decision: {last}"
     print(f"scaled up after {scaled_up_s:.1f} s, down after {scaled_down_s:.1f} s; {len(streams.records)} streams, "
-          f"{len(in_flight_at_stop)} in flight on the stopped replica")
+          f"{len(in_flight_at_stop)} in flight on the stopped replica, lasting "
+          f"{[round(r['end'] - r['start'], 1) for r in in_flight_at_stop]} s")
