@@ -33,6 +33,8 @@ from roseray.openai_api.api import create_app
 from roseray.openai_api.api_processes import APIProcessSettings
 from roseray.openai_api.metrics_share import MetricsShare
 from roseray.ray_serve import wiring
+from roseray.ray_serve.autoscaling import AutoscalingArgs, replica_count_options
+from roseray.ray_serve.autoscaling_policy import engine_load_stats
 from roseray.ray_serve.haproxy_env import router_replicas_in_env
 from roseray.ray_serve.ready import ReadyAnnouncement
 from roseray.ray_serve.replica_api_processes import ReplicaAPIProcesses, start_shared_engine
@@ -103,6 +105,13 @@ class EngineDeployment:
         """The engine's KV accounting check, run between two steps (through a DeploymentHandle:
         operators and tests; not an HTTP route). Raises if the accounting is broken."""
         return {"replica": self.replica_name, **await self.engine.check_integrity()}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's load for Serve's autoscaler (autoscaling_policy.py); Serve calls it only
+        when the app's `autoscaling` is set."""
+        s = self.engine.stats
+        return engine_load_stats(s.num_running, s.num_waiting, self.engine.num_active_requests,
+                                 s.num_free_blocks, s.num_total_blocks)
 
 
 @serve.deployment(name="Router")
@@ -231,6 +240,9 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     engine: dict[str, Any] = Field(default_factory=dict)  # roseray.config.EngineConfig fields
     num_replicas: int | Literal["auto"] = "auto"  # "auto": one per GPU in the cluster, or 1 without GPUs
+    # Engine replicas that follow the engines' load (ray_serve/autoscaling.py); None: a fixed num_replicas.
+    # When set, num_replicas is the count Serve starts with ("auto": min_replicas).
+    autoscaling: AutoscalingArgs | None = None
     num_gpus_per_replica: float | Literal["auto"] = "auto"  # "auto": 1 when the cluster has GPUs, else 0
     num_cpus_per_replica: float = 1.0
     # Placement on a multi-node cluster (deploy/README.md, "Replica placement"): custom resources each
@@ -318,7 +330,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
                         "request_router_kwargs": {"affinity_max_imbalance": app_args.router.affinity_max_imbalance}}
 
     engine = EngineDeployment.options(
-        num_replicas=num_replicas,
+        **replica_count_options(app_args.autoscaling, num_replicas, app_args.num_replicas, engine_config.max_num_seqs),
         ray_actor_options={"num_gpus": num_gpus, "num_cpus": app_args.num_cpus_per_replica,
                            **({"resources": app_args.resources_per_replica} if app_args.resources_per_replica else {})},
         max_replicas_per_node=app_args.max_replicas_per_node,
@@ -339,6 +351,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         max_ongoing_requests=10_000, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
     ).bind(engine, secret, hint_config, app_args.router.policy,
            served_model_name=app_args.served_model_name or engine_config.model)
+    if app_args.autoscaling is not None:
+        logger.info("roseray app: autoscaling the engine replicas on engine load: %s", app_args.autoscaling)
     logger.info("roseray app: %d engine replica(s) of %s, %s GPU and %d API process(es) each; %d Router(s) per "
                 "proxy node, policy %s", num_replicas, engine_config.model, num_gpus, api_processes,
                 app_args.router.replicas(), app_args.router.policy)
