@@ -47,6 +47,7 @@ def tiny_checkpoint(tmp_path_factory):
 # one JSON command per line:
 #   {"op": "engines"}                   (node ip, port) of every engine replica's HTTP port
 #   {"op": "replicas"}                  the Engine replicas as Serve's API lists them
+#   {"op": "target"}                    the Engine deployment's target replica count (the autoscaler's decision)
 #   {"op": "kill", "replica": "<id>"}   ray.kill the replica's actor (no restart by Ray core); replies once
 #                                       the replica's process has exited
 #   {"op": "integrity"}                 EngineDeployment.check_integrity on every running replica
@@ -124,9 +125,12 @@ def _run_ray_cluster(cfg: dict) -> None:
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     engine_handle = serve.get_deployment_handle("Engine", app_name=RAY_APP)
 
-    def replicas() -> list[dict]:
+    def engine_details():
         details = ServeInstanceDetails(**ray.get(controller.get_serve_instance_details.remote()))
-        deployment = details.applications[RAY_APP].deployments["Engine"]
+        return details.applications[RAY_APP].deployments["Engine"]
+
+    def replicas() -> list[dict]:
+        deployment = engine_details()
         return [{"replica_id": r.replica_id, "actor_name": r.actor_name, "state": str(r.state.value),
                  "pid": r.pid} for r in deployment.replicas]
 
@@ -153,7 +157,7 @@ def _run_ray_cluster(cfg: dict) -> None:
         return {"killed": target["actor_name"], "exit_wait_s": time.monotonic() - started}
 
     ops = {"engines": lambda: wiring.engine_http_targets(RAY_APP), "replicas": replicas, "integrity": integrity,
-           "kill": lambda replica: kill(replica)}
+           "kill": lambda replica: kill(replica), "target": lambda: engine_details().target_num_replicas}
     print("READY", flush=True)
     for line in sys.stdin:  # until the test side closes our stdin
         command = json.loads(line)

@@ -1,4 +1,4 @@
-"""python -m roseray.bench {throughput,stream,serving,kernels,step-overhead,structured,json-tokenizer} [options]"""
+"""python -m roseray.bench <benchmark> [options]: the benchmarks are listed in BENCHMARKS below."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ BENCHMARKS = {
     "step-overhead": ("roseray.bench.step_overhead", "host time per decode step outside the model forward"),
     "structured": ("roseray.bench.structured", "json_schema responses vs unconstrained, against any OpenAI server"),
     "json-tokenizer": ("roseray.bench.json_tokenizer", "a byte-level BPE tokenizer for W-json on random weights"),
+    "routing-sim": ("roseray.bench.routing_sim_cli", "routing policies over N simulated replicas (real scheduler)"),
 }
 
 

@@ -197,6 +197,15 @@ class BlockManager:
             self.kv_events.enable(cache_empty=not self._hash_to_block)
             self._events = self.kv_events
 
+    def num_cached_prefix_blocks(self, chain: list[int]) -> int:
+        """How many leading blocks of a block-hash chain (`block_chain`) the prefix cache holds
+        now: what a request with that chain would not have to prefill here."""
+        cached = self._hash_to_block
+        for i, block_hash in enumerate(chain):
+            if block_hash not in cached:
+                return i
+        return len(chain)
+
     # ---- internals --------------------------------------------------------------------
     def _match_prefix(self, req: Request) -> list[int]:
         """Cached blocks holding a prefix of the request's tokens. At least one token is

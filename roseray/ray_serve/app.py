@@ -35,6 +35,8 @@ from roseray.openai_api.api import create_app
 from roseray.openai_api.api_processes import APIProcessSettings
 from roseray.openai_api.metrics_share import MetricsShare
 from roseray.ray_serve import wiring
+from roseray.ray_serve.autoscaling import AutoscalingArgs, replica_count_options
+from roseray.ray_serve.autoscaling_policy import engine_load_stats
 from roseray.ray_serve.haproxy_env import router_replicas_in_env
 from roseray.ray_serve.kv_event_feed import KVEventFeed
 from roseray.ray_serve.prompt_chain import PromptChainer
@@ -115,6 +117,13 @@ class EngineDeployment:
         """The engine's KV accounting check, run between two steps (through a DeploymentHandle:
         operators and tests; not an HTTP route). Raises if the accounting is broken."""
         return {"replica": self.replica_name, **await self.engine.check_integrity()}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's load for Serve's autoscaler (autoscaling_policy.py); Serve calls it only
+        when the app's `autoscaling` is set."""
+        s = self.engine.stats
+        return engine_load_stats(s.num_running, s.num_waiting, self.engine.num_active_requests,
+                                 s.num_free_blocks, s.num_total_blocks)
 
 
 @serve.deployment(name="Router")
@@ -270,8 +279,16 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     engine: dict[str, Any] = Field(default_factory=dict)  # roseray.config.EngineConfig fields
     num_replicas: int | Literal["auto"] = "auto"  # "auto": one per GPU in the cluster, or 1 without GPUs
+    # Engine replicas that follow the engines' load (ray_serve/autoscaling.py); None: a fixed num_replicas.
+    # When set, num_replicas is the count Serve starts with ("auto": min_replicas).
+    autoscaling: AutoscalingArgs | None = None
     num_gpus_per_replica: float | Literal["auto"] = "auto"  # "auto": 1 when the cluster has GPUs, else 0
     num_cpus_per_replica: float = 1.0
+    # Placement on a multi-node cluster (deploy/README.md, "Replica placement"): custom resources each
+    # engine replica reserves (a node offers them at `ray start --resources`), pinning replicas to the nodes
+    # that offer them; and Serve's cap on this deployment's replicas per node (None: no cap).
+    resources_per_replica: dict[str, float] = Field(default_factory=dict)
+    max_replicas_per_node: int | None = None
     # processes that write each engine replica's HTTP streams, on the replica's port: 1 is the replica's
     # own server; N > 1 starts N API processes that take the port over (ray_serve/replica_api_processes.py).
     # "auto": GPU_REPLICA_API_PROCESSES on GPU replicas (one process cannot write 128 streams every
@@ -357,8 +374,10 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     cache_aware = router_args.policy == "cache_aware"
 
     engine = EngineDeployment.options(
-        num_replicas=num_replicas,
-        ray_actor_options={"num_gpus": num_gpus, "num_cpus": app_args.num_cpus_per_replica},
+        **replica_count_options(app_args.autoscaling, num_replicas, app_args.num_replicas, engine_config.max_num_seqs),
+        ray_actor_options={"num_gpus": num_gpus, "num_cpus": app_args.num_cpus_per_replica,
+                           **({"resources": app_args.resources_per_replica} if app_args.resources_per_replica else {})},
+        max_replicas_per_node=app_args.max_replicas_per_node,
         max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_waiting_requests + 64,
         # the drain, then (API processes) their own uvicorn shutdown and the engine child's exit
         graceful_shutdown_timeout_s=app_args.drain_timeout_s + (5 if api_processes == 1 else 20),
@@ -378,6 +397,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     ).bind(engine, secret, hint_config, app_args.router.policy,
            served_model_name=app_args.served_model_name or engine_config.model,
            engine_config=engine_config if cache_aware else None)
+    if app_args.autoscaling is not None:
+        logger.info("roseray app: autoscaling the engine replicas on engine load: %s", app_args.autoscaling)
     logger.info("roseray app: %d engine replica(s) of %s, %s GPU and %d API process(es) each; %d Router(s) per "
                 "proxy node, policy %s", num_replicas, engine_config.model, num_gpus, api_processes,
                 app_args.router.replicas(), app_args.router.policy)

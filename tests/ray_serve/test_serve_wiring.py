@@ -227,3 +227,19 @@ def test_build_app_builds_engine_with_router_as_its_ingress_request_router(monke
     router_config = engine._deployment_config.request_router_config
     assert router_config.get_request_router_class() is KVQueueRequestRouter
     assert router_config.request_routing_stats_period_s == 0.5
+
+
+def test_build_app_places_engine_replicas_by_custom_resource_and_per_node_cap(monkeypatch):
+    """resources_per_replica and max_replicas_per_node reach the Engine deployment (the two-node run:
+    tests/ray_serve/test_multi_node.py); unset, neither is there."""
+    monkeypatch.setattr(serve_constants, "RAY_SERVE_ENABLE_HA_PROXY", True)
+    monkeypatch.setattr(serve_build_app, "RAY_SERVE_ENABLE_HA_PROXY", True)
+    args = {"engine": {"model": "random:tiny", "num_kv_blocks": 32}, "num_replicas": 2, "num_gpus_per_replica": 0}
+    pinned = serve_build_app.build_app(roseray_app.build_app(
+        {**args, "resources_per_replica": {"roseray_engine_node": 1}, "max_replicas_per_node": 1}),
+        name="roseray").deployments[0]
+    assert pinned.ray_actor_options["resources"] == {"roseray_engine_node": 1}
+    assert pinned.ray_actor_options["num_cpus"] == 1 and pinned.ray_actor_options["num_gpus"] == 0
+    assert pinned._replica_config.max_replicas_per_node == 1
+    plain = serve_build_app.build_app(roseray_app.build_app(args), name="roseray").deployments[0]
+    assert "resources" not in plain.ray_actor_options and plain._replica_config.max_replicas_per_node is None

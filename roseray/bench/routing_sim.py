@@ -1,0 +1,245 @@
+"""Discrete-event simulation of N engine replicas behind a router, with the model's time
+replaced by a step-time model (routing_step_time.py).
+
+Each replica is roseray's real Scheduler and BlockManager (continuous batching, chunked
+prefill, prefix caching, LRU eviction, preemption by recompute), driven as Engine drives
+them with overlap off: `schedule()`, the step's tokens computed (`num_computed_tokens`), one
+token appended to each request whose prompt is done (the ids the workload scripts, or 0),
+full blocks committed to the prefix cache, requests at their max_tokens finished
+(`finish_many`). The step lasts what the step-time model says; the next one starts when it
+ends. The router sees each replica's routing stats (queue, kv_free, ts) as Serve pulls them
+every `stats_period_s` (app.py's RouterArgs default: 0.5 s), each replica at its own phase.
+A request reaches its replica the moment it is routed (no network).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from array import array
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from roseray.bench.routing_policies import RouteRequest
+from roseray.bench.routing_step_time import StepTimeModel
+from roseray.engine.block_manager import BlockManager
+from roseray.engine.request import Request, RequestStatus
+from roseray.engine.scheduler import Scheduler, SchedulerOutput
+from roseray.sampling_params import SamplingParams
+
+_PARAMS = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """One simulated engine. The KV capacity is an assumption (a Qwen3-0.6B replica on an H100
+    holds ~500k tokens; 131k stands for a larger model's tighter cache, as llm-d's 32B had)."""
+
+    num_blocks: int = 8192
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 16384
+
+
+@dataclass
+class _Record:
+    """Per request: what the metrics need."""
+
+    arrival_s: float
+    replica: int
+    output_ids: list[int] | None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finish_s: float | None = None
+
+
+class SimReplica:
+    def __init__(self, replica_id: int, config: ReplicaConfig, model: StepTimeModel) -> None:
+        self.replica_id = replica_id
+        self.config, self.model = config, model
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.max_num_seqs,
+                                          config.max_model_len // config.block_size + 1)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len)
+        self.routing_stats: dict = {}
+        self.batch: SchedulerOutput | None = None  # the step in flight
+        self.num_requests = 0
+        self.busy_s = 0.0
+
+    @property
+    def num_active(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def snapshot(self, now: float) -> None:
+        self.routing_stats = {"queue": self.num_active, "running": len(self.scheduler.running),
+                              "waiting": len(self.scheduler.waiting), "kv_free": self.block_manager.num_free_blocks,
+                              "kv_total": self.block_manager.num_blocks, "ts": now}
+
+    def start_step(self) -> float | None:
+        """Schedule the next step; its duration, or None when there is nothing to run."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return None
+        self.batch = batch
+        num_sampled, pairs, decode_ctx = 0, 0.0, 0
+        for req, num_new in zip(batch.requests, batch.num_new_tokens):
+            computed = req.num_computed_tokens
+            if computed + num_new == req.num_tokens:
+                num_sampled += 1
+            if num_new == 1 and computed >= req.num_prompt_tokens:
+                decode_ctx += computed + 1
+            else:
+                pairs += num_new * (computed + num_new / 2)
+        seconds = self.model.step_seconds(batch.num_tokens, num_sampled, pairs, decode_ctx)
+        self.busy_s += seconds
+        return seconds
+
+    def finish_step(self, now: float, records: dict[str, _Record], itl: array) -> None:
+        """The step in flight is done at `now`: its tokens, their commits, the requests it finished."""
+        batch, self.batch = self.batch, None
+        block_size, commit = self.block_manager.block_size, self.block_manager.commit_full_blocks
+        finished = []
+        for req, num_new in zip(batch.requests, batch.num_new_tokens):
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += num_new
+            if req.num_computed_tokens == req.num_tokens:
+                record = records[req.request_id]
+                index = len(req.output_token_ids)
+                token = record.output_ids[index] if record.output_ids is not None else 0
+                req.output_token_ids.append(token)
+                req.token_ids.append(token)
+                if record.first_token_s is None:
+                    record.first_token_s = now
+                else:
+                    itl.append(now - record.last_token_s)
+                record.last_token_s = now
+                if index + 1 >= req.max_tokens:
+                    record.finish_s = now
+                    finished.append(req)
+                    continue
+            if req.num_computed_tokens // block_size > req.num_committed_blocks:
+                commit(req, req.num_tokens)
+        if finished:
+            self.scheduler.finish_many(finished, [RequestStatus.FINISHED_LENGTH] * len(finished))
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity(list(self.scheduler.running) + list(self.scheduler.waiting))
+
+
+@dataclass
+class SimResult:
+    workload: str
+    policy: str
+    replicas: int
+    qps: float
+    num_requests: int
+    num_finished: int
+    sim_seconds: float
+    wall_seconds: float
+    ttft_s: np.ndarray
+    itl_s: np.ndarray
+    output_tokens: int
+    hit_rate: float
+    requests_per_replica: list[int]
+    preemptions: int
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        def pct(values: np.ndarray, q: float) -> float:
+            return float(np.percentile(values, q)) if values.size else float("nan")
+
+        per_replica = np.asarray(self.requests_per_replica, dtype=float)
+        return {
+            "workload": self.workload, "policy": self.policy, "replicas": self.replicas, "qps": self.qps,
+            "requests": self.num_requests, "finished": self.num_finished,
+            "ttft_p50_s": pct(self.ttft_s, 50), "ttft_p90_s": pct(self.ttft_s, 90), "ttft_p99_s": pct(self.ttft_s, 99),
+            "itl_p99_ms": pct(self.itl_s, 99) * 1e3,
+            "output_tok_s": self.output_tokens / self.sim_seconds if self.sim_seconds else 0.0,
+            "prefix_hit_rate": self.hit_rate,
+            "load_spread": float(per_replica.max() / per_replica.mean()) if per_replica.sum() else float("nan"),
+            "preemptions": self.preemptions, "sim_s": self.sim_seconds, "wall_s": self.wall_seconds,
+        }
+
+
+def simulate(workload, policy, num_replicas: int, *, qps: float = 0.0, config: ReplicaConfig = ReplicaConfig(),
+             model: StepTimeModel | None = None, stats_period_s: float = 0.5, max_sim_s: float | None = None,
+             seed: int = 0, check_every: int = 0) -> SimResult:
+    """Run `workload` (its specs and prompts) through `policy` over `num_replicas` replicas until
+    every request finishes or `max_sim_s`. TTFT of a request without a first token by then is
+    counted as the time it waited (a lower bound), so an overloaded policy still shows.
+    `check_every` > 0: check each replica's BlockManager integrity every that many steps."""
+    started = time.perf_counter()
+    model = model or StepTimeModel()
+    replicas = [SimReplica(i, config, model) for i in range(num_replicas)]
+    rng = random.Random(seed)
+    events: list[tuple[float, int, int, int]] = []  # (time, tiebreak, kind, replica)
+    step_done, stats = 0, 1
+    counter = 0
+    for r in replicas:
+        r.snapshot(0.0)
+        counter += 1
+        heapq.heappush(events, (rng.uniform(0, stats_period_s), counter, stats, r.replica_id))
+    specs = workload.specs
+    records: dict[str, _Record] = {}
+    itl = array("d")
+    next_arrival, busy, steps, now = 0, 0, 0, 0.0
+    while next_arrival < len(specs) or busy:
+        arrival_s = specs[next_arrival].arrival_s if next_arrival < len(specs) else float("inf")
+        if events[0][0] <= arrival_s:
+            now, _, kind, index = heapq.heappop(events)
+        else:
+            now, kind, index = arrival_s, -1, -1
+        if max_sim_s is not None and now > max_sim_s:
+            now = max_sim_s
+            break
+        if kind == stats:
+            replicas[index].snapshot(now)
+            counter += 1
+            heapq.heappush(events, (now + stats_period_s, counter, stats, index))
+            continue
+        if kind == -1:
+            spec = specs[next_arrival]
+            next_arrival += 1
+            prompt = workload.prompt_ids(spec)
+            replica = policy.choose(replicas, RouteRequest(prompt, spec.max_tokens, config.block_size), now)
+            records[spec.request_id] = _Record(now, replica.replica_id, workload.output_ids(spec))
+            replica.scheduler.add(Request(spec.request_id, prompt, _PARAMS, max_tokens=spec.max_tokens,
+                                          arrival_time=now))
+            replica.num_requests += 1
+            if replica.batch is not None:
+                continue
+            busy += 1
+        else:
+            replica = replicas[index]
+            replica.finish_step(now, records, itl)
+            steps += 1
+            if check_every and steps % check_every == 0:
+                replica.check_integrity()
+        seconds = replica.start_step()
+        if seconds is None:
+            busy -= 1
+            continue
+        counter += 1
+        heapq.heappush(events, (now + seconds, counter, step_done, replica.replica_id))
+    ttft, num_finished = [], 0
+    for record in records.values():
+        ttft.append((record.first_token_s if record.first_token_s is not None else now) - record.arrival_s)
+        num_finished += record.finish_s is not None
+    output_tokens = len(itl) + sum(1 for r in records.values() if r.first_token_s is not None)
+    queries = sum(r.block_manager.prefix_cache_queries for r in replicas)
+    hits = sum(r.block_manager.prefix_cache_hits for r in replicas)
+    if check_every:
+        for r in replicas:
+            r.check_integrity()
+    return SimResult(
+        workload=workload.name, policy=policy.name, replicas=num_replicas, qps=qps, num_requests=len(specs),
+        num_finished=num_finished, sim_seconds=now, wall_seconds=time.perf_counter() - started,
+        ttft_s=np.asarray(ttft), itl_s=np.frombuffer(itl, dtype=np.float64) if len(itl) else np.zeros(0),
+        output_tokens=output_tokens, hit_rate=hits / queries if queries else 0.0,
+        requests_per_replica=[r.num_requests for r in replicas],
+        preemptions=sum(r.scheduler.num_preemptions_total for r in replicas),
+        extra={"steps": steps, "gpu_busy": [r.busy_s / now if now else 0.0 for r in replicas]})
