@@ -131,7 +131,7 @@ def test_answers_an_http_1_0_connection_close_request_like_haproxys_lua():
 
 def _router(policy):
     """A RouterDeployment's state without Serve: what its `pick` reads."""
-    return types.SimpleNamespace(engine="handle", policy=policy,
+    return types.SimpleNamespace(engine="handle", policy=policy, chainer=None,
                                  hint_config=HintConfig(block_size=16, chars_per_token=1.0))
 
 
