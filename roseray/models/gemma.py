@@ -30,7 +30,7 @@ from roseray.layers.linear import WeightEntry
 from roseray.layers.norms import RMSNorm
 from roseray.layers.rotary import RotaryEmbedding
 from roseray.layers.vocab import vocab_parameter
-from roseray.models.hf_fields import layer_types, rope
+from roseray.models.hf_fields import decoder_geometry, layer_types, rope
 from roseray.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 GEMMA3 = "Gemma3ForCausalLM"
@@ -147,20 +147,12 @@ def config_fields(hf: dict[str, Any], hf_architecture: str) -> dict[str, Any]:
     if hf.get("use_bidirectional_attention"):
         raise ValueError(f"{hf_architecture} with use_bidirectional_attention=true is unsupported")
     gemma3 = hf_architecture == GEMMA3
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     window = hf.get("sliding_window")
     kinds = _layer_types(hf, hf_architecture, window)
     rope_theta, rope_scaling = gemma3_rope(hf)[0] if gemma3 else rope(hf)
     attention_bias = bool(hf.get("attention_bias", False))
     return dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hidden,
-        num_hidden_layers=hf["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads,
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
+        **decoder_geometry(hf),
         hidden_act=hf.get("hidden_activation") or "gelu_pytorch_tanh",
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,

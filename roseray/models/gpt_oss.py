@@ -26,7 +26,7 @@ from torch import nn
 from roseray.config import ModelConfig, MoEConfig
 from roseray.layers.linear import WeightEntry
 from roseray.layers.moe import ExpertActivation, FusedMoE
-from roseray.models.hf_fields import first, layer_types, rope
+from roseray.models.hf_fields import decoder_geometry, first, layer_types, rope
 from roseray.models.llama import LlamaForCausalLM
 from roseray.models.mxfp4 import dequantize_mxfp4
 
@@ -123,7 +123,7 @@ def _stacked_bias_entries(name: str, target: str, stacked: torch.Tensor) -> Iter
 
 def config_fields(hf: dict[str, Any], hf_architecture: str) -> dict[str, Any]:
     """ModelConfig fields from a gpt-oss config.json."""
-    heads, hidden, num_layers = hf["num_attention_heads"], hf["hidden_size"], hf["num_hidden_layers"]
+    num_layers = hf["num_hidden_layers"]
     num_experts = hf["num_local_experts"]
     top_k = first(hf, "num_experts_per_tok", "experts_per_token", default=4)
     if not 0 < top_k <= num_experts:
@@ -137,14 +137,7 @@ def config_fields(hf: dict[str, Any], hf_architecture: str) -> dict[str, Any]:
         kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     attention_bias = bool(hf.get("attention_bias", True))
     return dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads,
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
+        **decoder_geometry(hf),
         hidden_act="silu",  # unused: the experts' activation is the clamped SwiGLU (swiglu_alpha, swiglu_limit)
         rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
         rope_theta=rope_theta,

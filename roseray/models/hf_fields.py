@@ -18,6 +18,22 @@ def first(hf: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return next((hf[k] for k in keys if hf.get(k) is not None), default)
 
 
+def decoder_geometry(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields every Llama-style config.json spells the same way: vocabulary,
+    widths, layer and head counts (head_dim defaults to hidden / heads, KV heads to heads)."""
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hidden // heads,
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf["max_position_embeddings"],
+    )
+
+
 def rope(hf: dict[str, Any]) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from either the transformers 5 `rope_parameters`
     or the older top-level `rope_theta` + `rope_scaling`."""

@@ -26,7 +26,7 @@ from roseray.layers.linear import MergedLinear, WeightEntry, load_weight_entries
 from roseray.layers.norms import RMSNorm
 from roseray.layers.rotary import RotaryEmbedding
 from roseray.layers.vocab import vocab_logits, vocab_parameter
-from roseray.models.hf_fields import layer_types, rope
+from roseray.models.hf_fields import decoder_geometry, layer_types, rope
 
 # Hugging Face projection name -> (fused projection, shard index).
 _FUSED = {
@@ -191,20 +191,12 @@ def config_fields(hf: dict[str, Any], hf_architecture: str) -> dict[str, Any]:
     """ModelConfig fields from a Llama / Qwen2 / Qwen3 / Mistral config.json."""
     if hf.get("mlp_bias"):
         raise ValueError(f"{hf_architecture} with mlp_bias=true is unsupported")
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     rope_theta, rope_scaling = rope(hf)
     attention_bias = bool(hf.get("attention_bias", False))
     uses_window = hf_architecture == "MistralForCausalLM" or hf.get("use_sliding_window", False)
     window = hf.get("sliding_window") if uses_window else None
     return dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hidden,
-        num_hidden_layers=hf["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads,
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf["max_position_embeddings"],
+        **decoder_geometry(hf),
         hidden_act=hf.get("hidden_act", "silu"),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from roseray.layers.linear import MergedLinear, WeightEntry
-from roseray.models.hf_fields import layer_types, rope
+from roseray.models.hf_fields import decoder_geometry, layer_types, rope
 from roseray.models.llama import LlamaForCausalLM
 
 # config.json rope types older transformers wrote for LongRoPE
@@ -66,21 +66,14 @@ def _rope_fields(hf: dict[str, Any]) -> tuple[float, dict | None]:
 
 def config_fields(hf: dict[str, Any], hf_architecture: str) -> dict[str, Any]:
     """ModelConfig fields from a Phi-3 config.json."""
-    heads, hidden, num_layers = hf["num_attention_heads"], hf["hidden_size"], hf["num_hidden_layers"]
+    num_layers = hf["num_hidden_layers"]
     max_positions = hf["max_position_embeddings"]
     rope_theta, rope_scaling = _rope_fields(hf)
     window = hf.get("sliding_window")
     if window is not None and window >= max_positions:  # wider than any sequence: no window at all
         window = None
     return dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads,
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=max_positions,
+        **decoder_geometry(hf),
         hidden_act=hf.get("hidden_act", "silu"),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
         rope_theta=rope_theta,
