@@ -54,6 +54,12 @@ ENGINE_ARG_HELP = {
                         "the template opens <think>, the output closes it): chat responses carry it as "
                         "reasoning_content (and reasoning), content without it, and a structured output "
                         "applies after it (default: none, the reasoning stays in the content)",
+    "quantization": "fp8: e4m3 weights with a scale per output channel, quantized at load from a bf16/fp16 "
+                    "checkpoint (fp8 checkpoints are fp8 without it); needs an NVIDIA GPU of compute capability "
+                    "8.9+ (Ada, Hopper); on CPU a reference path runs",
+    "kv_cache_dtype": "auto: the KV cache in the model's dtype; fp8: e4m3 with a scale per layer, twice the tokens",
+    "kv_cache_scale": "fp8 KV cache: the scale of every layer's K and V (stored = value / scale; default: the "
+                      "checkpoint's k_scale/v_scale, else 1.0)",
 }
 
 SERVER_DEFAULTS = ServerConfig()

@@ -41,6 +41,10 @@ REMOVED_ENGINE_ARGS = {
 # the <think>...</think> reasoning of Qwen3 (tags in the output) and DeepSeek-R1 (the template opens it)
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# weight quantization: fp8 = e4m3 weights with a scale per output channel (quantized at load from a
+# bf16/fp16 checkpoint, or read from an fp8 checkpoint, which selects it by itself)
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: e4m3 with a scale per layer
 
 
 @dataclass
@@ -73,8 +77,20 @@ class EngineConfig:
     # how the model marks its reasoning (REASONING_PARSERS): the server splits it out, and a
     # request's structured output applies from where the reasoning ends
     reasoning_parser: str | None = None
+    quantization: str | None = None  # QUANTIZATIONS; None: as the checkpoint is (fp8 checkpoints load as fp8)
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    # fp8 KV: the scale of every layer's K and V (stored value = value / scale); None: the
+    # checkpoint's k_scale / v_scale where it has them, else 1.0
+    kv_cache_scale: float | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); "
+                             f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.kv_cache_scale is not None and not self.kv_cache_scale > 0:
+            raise ValueError(f"kv_cache_scale must be > 0; got {self.kv_cache_scale}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")
