@@ -1,8 +1,9 @@
 """Kernel microbenchmarks: KV append and paged attention (Triton) on CUDA; the fused MoE with --moe
-(roseray.bench.kernels_moe).
+(roseray.bench.kernels_moe); fp8 linear layers against bf16 with --fp8 (roseray.bench.kernels_fp8).
 
     python -m roseray.bench kernels [--out results.json] [--sweep]
     python -m roseray.bench kernels --moe [--moe-tokens 1,64,8192] [--sweep] [--out results.json]
+    python -m roseray.bench kernels --fp8 [--fp8-rows 1,64,256] [--sweep] [--out results.json]
     python -m roseray.bench.kernels ...
 
 Times are medians of triton.testing.do_bench (CUDA events). Bandwidth counts the bytes a
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from roseray.bench import kernels_moe
+from roseray.bench import kernels_fp8, kernels_moe
 from roseray.bench.kernel_timing import Row, bandwidth, bench_copy, graph_us, median_us, rotating, try_time
 from roseray_kernels import kv_append, kv_append_index_put_baseline, paged_attention
 from roseray_kernels.kv_append import TOKENS_PER_PROGRAM, launch_kv_append
@@ -346,10 +347,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe", action="store_true", help="the fused-MoE benchmark (Qwen3-30B-A3B experts) instead "
                         "of the attention kernels; with --sweep, its tile sweep")
     parser.add_argument("--moe-tokens", default="", help="--moe: comma list of token counts (default 1..8192)")
+    parser.add_argument("--fp8", action="store_true", help="fp8 against bf16 linear layers at Llama-8B's shapes "
+                        "instead of the attention kernels; with --sweep, the W8A16 tile sweep")
+    parser.add_argument("--fp8-rows", default="", help="--fp8: comma list of row counts (default 1..4096)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel benchmarks need a CUDA device", file=sys.stderr)
         return 2
+    if args.fp8:
+        return kernels_fp8.run(args.fp8_rows, bool(args.sweep), args.out)
     if args.moe:
         return kernels_moe.run(args.dtype, args.moe_tokens, bool(args.sweep), args.sweep_seconds, args.out)
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)

@@ -14,7 +14,7 @@ import torch
 
 from roseray.bench.common import print_table, write_result
 from roseray.bench.workloads import NANO_MODEL, nano_workload
-from roseray.config import LOAD_FORMATS
+from roseray.config import LOAD_FORMATS, QUANTIZATIONS
 from roseray.llm import LLM
 from roseray.sampling_params import SamplingParams
 
@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-format", default=None, choices=LOAD_FORMATS,
                         help="dummy: random weights in the geometry of a directory holding config.json only")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="fp8: e4m3 weights with per-channel scales (quantized at load)")
     parser.add_argument("--out", default=None, help="write JSON here")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     args = parser.parse_args(argv)
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_args["load_format"] = args.load_format
     if args.max_model_len:
         engine_args["max_model_len"] = args.max_model_len
+    if args.quantization:
+        engine_args["quantization"] = args.quantization
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.cuda_graph_max_tokens is not None:

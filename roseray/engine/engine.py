@@ -60,7 +60,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_config)
         self.detokenization = prepare_detokenization(self.tokenizer)  # now, not in the first request's step
         model = load_model(self.model_config, config.model, self.device, self.dtype, seed=config.seed,
-                           load_format=config.load_format)
+                           load_format=config.load_format, quantization=config.quantization)
         self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.max_num_seqs,
                                           self.runner.max_blocks_per_seq, config.enable_prefix_caching)

@@ -48,14 +48,19 @@ def load_weight_entries(model: nn.Module, entries: Iterable[WeightEntry]) -> Non
         if entry.param_name not in params or (entry.param_name, entry.shard) not in expected:
             raise ValueError(f"unexpected weight {entry.checkpoint_name!r} in checkpoint for {type(model).__name__}")
         dest = params[entry.param_name].data
+        owner = _owner(model, entry.param_name)
         if entry.shard is not None:
-            dest = _owner(model, entry.param_name).shard(dest, entry.shard)
-        if tuple(dest.shape) != tuple(entry.tensor.shape):
+            dest = owner.shard(dest, entry.shard)
+        tensor = entry.tensor
+        adapt = getattr(owner, "adapt_checkpoint_tensor", None)  # e.g. a per-tensor fp8 scale filling its rows
+        if adapt is not None:
+            tensor = adapt(entry.param_name.rpartition(".")[2], tensor, dest.shape)
+        if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(
-                f"weight {entry.checkpoint_name!r} has shape {tuple(entry.tensor.shape)}, "
+                f"weight {entry.checkpoint_name!r} has shape {tuple(tensor.shape)}, "
                 f"expected {tuple(dest.shape)} (does config.json match the checkpoint?)"
             )
-        dest.copy_(entry.tensor)
+        dest.copy_(tensor)
         loaded.add((entry.param_name, entry.shard))
     missing = sorted(name + ("" if shard is None else f"[shard {shard}]") for name, shard in expected - loaded)
     if missing:

@@ -45,6 +45,7 @@ class GptOssMoE(nn.Module):
         super().__init__()
         moe = config.moe
         self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=True)
+        self.router.keep_unquantized = True  # the router stays in the model's dtype under fp8
         activation = ExpertActivation("swiglu_clamped", alpha=float(config.hf_config.get("swiglu_alpha", 1.702)),
                                       limit=float(config.hf_config.get("swiglu_limit", 7.0)))  # fmt: skip
         self.experts = FusedMoE(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,

@@ -8,9 +8,9 @@ from typing import Any
 
 from roseray.layers.rotary import SUPPORTED_ROPE_TYPES
 
-# quantization_config.quant_method values roseray loads for every model (none yet); a model's
+# quantization_config.quant_method values roseray loads for every model; a model's
 # own formats (gpt-oss's mxfp4 experts) are named by its registry entry's supported_quantization.
-SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ("fp8", "compressed-tensors")  # fp8_checkpoint.py
 
 
 def first(hf: dict[str, Any], *keys: str, default: Any = None) -> Any:

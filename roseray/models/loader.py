@@ -23,6 +23,7 @@ from tqdm import tqdm
 from roseray.config import ModelConfig
 from roseray.layers.activation import get_activation
 from roseray.layers.norms import RMSNorm
+from roseray.models import fp8_checkpoint
 from roseray.models.hf_fields import check_quantization
 from roseray.models.presets import is_preset, preset_config
 from roseray.models.registry import SUPPORTED_ARCHITECTURES, architecture_entry, get_model_class
@@ -107,6 +108,7 @@ def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None =
     hf_architecture = _architecture(hf)
     entry = architecture_entry(hf_architecture)
     check_quantization(hf, entry.supported_quantization)
+    fp8_checkpoint.checkpoint_fp8_scheme(hf)  # an fp8 format roseray cannot read: fail now
     fields = entry.config_fields(hf, hf_architecture)
     get_activation(fields["hidden_act"])  # unsupported activation: fail early
     return ModelConfig(
@@ -145,20 +147,46 @@ def load_model(
     dtype: torch.dtype,
     seed: int = 0,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the model on `device` in `dtype` and fill its weights: seeded random ones for a
-    `random:` preset or load_format "dummy", else the checkpoint's safetensors. Returned in
-    eval mode."""
+    `random:` preset or load_format "dummy", else the checkpoint's safetensors. An fp8
+    checkpoint loads as fp8; `quantization="fp8"` quantizes the other weights after loading
+    (fp8_checkpoint.py). The model's `kv_cache_scales` holds the checkpoint's K/V scales
+    ({layer: {"k": s, "v": s}}, empty without). Returned in eval mode."""
     device = torch.device(device)
     model = build_model(model_config, device, dtype)
     path = resolve_model_path(model_path_or_preset)
+    scheme = fp8_checkpoint.checkpoint_fp8_scheme(model_config.hf_config)
+    if scheme is not None or quantization == "fp8":
+        fp8_checkpoint.check_fp8_device(device)
+    model.kv_cache_scales = {}
     if path is None or load_format == "dummy":
         if path is not None:
             logger.info("load_format dummy: random weights in the geometry of %s", path)
         init_random_weights(model, seed)
+        if scheme is not None or quantization == "fp8":
+            _log_fp8("random weights", fp8_checkpoint.quantize_linears(model), model_config)
+    elif scheme is not None:
+        if model_config.moe is not None:
+            raise ValueError(f"fp8 checkpoints of mixture-of-experts models ({model_config.hf_architecture}) are "
+                             "unsupported (their experts are fp8); load the bf16 checkpoint with quantization: fp8")
+        count = fp8_checkpoint.install_fp8_shells(model, scheme)
+        tensors = iterate_safetensors(safetensors_files(path), device)
+        model.load_weights(fp8_checkpoint.checkpoint_tensors(tensors, scheme, model.kv_cache_scales))
+        fp8_checkpoint.finalize_fp8(model)
+        _log_fp8(f"the checkpoint ({scheme.method}, {scheme.scale_format} scales)", count, model_config)
     else:
         model.load_weights(iterate_safetensors(safetensors_files(path), device))
+        if quantization == "fp8":
+            _log_fp8("the checkpoint, quantized at load", fp8_checkpoint.quantize_linears(model), model_config)
     return model.eval()
+
+
+def _log_fp8(source: str, count: int, model_config: ModelConfig) -> None:
+    experts = "; MoE experts stay in the model's dtype" if model_config.moe is not None else ""
+    logger.info("fp8 weights from %s: %d linear layers in e4m3 with a scale per output channel (lm_head, "
+                "embeddings and norms in the model's dtype%s)", source, count, experts)
 
 
 def build_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -52,6 +52,7 @@ class SparseMoEBlock(nn.Module):
         super().__init__()
         moe = config.moe
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.gate.keep_unquantized = True  # the router stays in the model's dtype under fp8
         self.experts = FusedMoE(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,
                                 renormalize=moe.renormalize, activation=ExpertActivation(config.hidden_act))
 

@@ -5,14 +5,13 @@ Skipped without a GPU (run on the GPU host)."""
 
 from __future__ import annotations
 
-import json
-import os
 import random
 
 import pytest
 import torch
 
 from roseray import LLM, SamplingParams
+from tests.models.gpu_helpers import generate_and_free, greedy_report
 from tests.models.hf_models import KINDS, load_hf_model
 
 pytestmark = [pytest.mark.gpu,
@@ -66,11 +65,7 @@ def run(path, batch, dtype, eager=False):
     llm = LLM(str(path), device="cuda", dtype=dtype, attention_backend="triton", enforce_eager=eager, block_size=16,
               max_num_batched_tokens=64, gpu_memory_utilization=0.3)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=TOP)
-    outputs = [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
-    llm.engine.check_integrity()
-    del llm
-    torch.cuda.empty_cache()
-    return outputs
+    return generate_and_free(llm, batch, params)
 
 
 def test_fp32_kernels_and_graphs_match_transformers_bf16_agrees(checkpoint):
@@ -83,18 +78,9 @@ def test_fp32_kernels_and_graphs_match_transformers_bf16_agrees(checkpoint):
     del hf
     torch.cuda.empty_cache()
     bf16 = run(path, batch, "bfloat16")
-    matched = [next((i for i, (a, b) in enumerate(zip(o.token_ids, e)) if a != b), MAX_NEW)
-               for o, e in zip(bf16, expected)]
     errors = [max(abs(lp - float(ref[token])) for token, lp in o.logprobs[0].items())
               for o, ref in zip(bf16, reference)]
-    report = {"kind": kind, "prompts": len(batch), "tokens_each": MAX_NEW,
-              "greedy_agreement": sum(matched) / (MAX_NEW * len(batch)),
-              "identical_sequences": sum(m == MAX_NEW for m in matched),
-              "first_token_logprob_max_abs_err": max(errors),
-              "first_token_logprob_mean_abs_err": sum(errors) / len(errors)}
-    if os.environ.get("GPU_REPORT"):
-        with open(os.environ["GPU_REPORT"], "a") as f:
-            f.write(json.dumps(report) + "\n")
+    report = greedy_report([o.token_ids for o in bf16], expected, MAX_NEW, errors, kind=kind)
     # bf16 weights and activations of these tiny random models move log-probabilities by a few
     # hundredths; 0.2 allows for a reference transformers older than the CPU suite's
     assert report["first_token_logprob_max_abs_err"] < 0.2, report

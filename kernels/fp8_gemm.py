@@ -1,0 +1,151 @@
+"""FP8 linear layers: y = x @ (W * scale[:, None]).T + bias, with W e4m3 [N, K], one fp32 scale per
+output channel, x and y in the model's dtype.
+
+Two paths, by the number of rows M of x (measured on an H100 at Llama-8B shapes: at decode sizes
+cuBLASLt's row-wise scaled fp8 GEMM is no faster than bf16, while a kernel that only streams
+the fp8 weights is memory-bound at half of bf16's bytes):
+- M <= W8A16_MAX_ROWS (decode steps): this module's Triton kernel reads fp8 weight tiles,
+  widens them to x's dtype in registers and multiplies on the tensor cores (fp32 accumulation);
+  the weight scale (and bias) are applied in the epilogue. x is not quantized: no extra launch,
+  and no activation rounding.
+- larger M (prefill chunks): x is quantized per token (fp8_quant.quantize_per_token, one
+  launch) and `torch._scaled_mm` runs the fp8 tensor-core GEMM with row-wise scales (x's per
+  token, W's per channel) in its epilogue.
+Both are CUDA-graph capturable (the path is chosen from shapes, never from data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_quant import quantize_per_token
+
+# Rows up to which the weight-streaming kernel runs (above: quantized activations, cuBLASLt).
+W8A16_MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class W8A16Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# By rows: the smallest tile tl.dot takes for a decode batch; columns narrow enough that a
+# projection's columns give every SM a program.
+W8A16_TILES: tuple[tuple[int, W8A16Tile], ...] = (
+    (16, W8A16Tile(16, 64, 256, 4, 4)),
+    (32, W8A16Tile(32, 64, 256, 4, 4)),
+    (W8A16_MAX_ROWS, W8A16Tile(64, 64, 128, 4, 4)),
+)
+
+
+def choose_w8a16_tile(rows: int, cols: int, num_sms: int) -> W8A16Tile:
+    tile = next((t for limit, t in W8A16_TILES if rows <= limit), W8A16_TILES[-1][1])
+    if triton.cdiv(cols, tile.block_n) * triton.cdiv(rows, tile.block_m) < num_sms:
+        tile = W8A16Tile(tile.block_m, 32, tile.block_k, tile.num_warps, tile.num_stages)
+    return tile
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The dequantized weight in x's dtype times x (the CPU path, and what the kernels are tested on)."""
+    w = weight.to(x.dtype) * weight_scale.to(x.dtype)[:, None]
+    return torch.nn.functional.linear(x, w, bias)
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m_rows, n_cols, k_dim,
+                  stride_xm, stride_wn, stride_om,
+                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < m_rows
+    n_ok = offs_n < n_cols
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N]: W transposed
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, k_dim, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = start + offs_k < k_dim
+            a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def fp8_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              bias: torch.Tensor | None = None, tile: W8A16Tile | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous) times the fp8 weight [N, K], weight streamed (one launch)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and x.stride(1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if tile is None:
+        tile = choose_w8a16_tile(m, n, _num_sms(x.device))
+    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
+    _w8a16_kernel[grid](
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % tile.block_k == 0,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
+
+
+def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_row: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x quantized per token, then cuBLASLt's fp8 GEMM with row-wise scales (bf16 out).
+    weight_scale_row is the weight scale as [1, N]."""
+    x_q, x_scale = quantize_per_token(x)
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale_row, out_dtype=x.dtype)
+    return out if bias is None else out.add_(bias)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N] on the path for its row count (module docstring)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    n, k = weight.shape
+    if rows.shape[0] > W8A16_MAX_ROWS and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
+        out = fp8_w8a8(rows, weight, weight_scale.view(1, n), bias)
+    else:
+        out = fp8_w8a16(rows, weight, weight_scale, bias)
+    return out.view(*x.shape[:-1], n)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]

@@ -1,0 +1,163 @@
+"""FP8 weights: reading fp8 checkpoints, and quantizing a model's linear layers at load.
+
+Formats (config.json `quantization_config`):
+- `quant_method: fp8` (as transformers and the Qwen3-FP8 / DeepSeek checkpoints write it):
+  e4m3 `weight`; with `weight_block_size: [r, c]` a `weight_scale_inv` [N/r, K/c] (the factor
+  that dequantizes each block), otherwise one `weight_scale` per tensor.
+  `modules_to_not_convert` names layers kept in the model's dtype.
+- `quant_method: compressed-tensors` (LLM Compressor), format `float-quantized` (or
+  `naive-quantized`): one config group of 8-bit float weights targeting Linear, strategy
+  `tensor`, `channel` ([N, 1] scales) or `block` (`block_structure`), all named `weight_scale`;
+  `ignore` lists layers (names, or `re:` patterns) kept in the model's dtype.
+Either may carry a static activation scale (`input_scale`): it is not used, activations are
+quantized per token at run time (more precise, one launch either way). `k_scale` / `v_scale`
+of attention layers (a `kv_cache_scheme`, or vLLM's `k_proj.output_scale`) are collected for the
+fp8 KV cache. Anything else (int8/int4 compressed-tensors, other methods) fails with one line.
+
+Which layers become fp8: every nn.Linear of the model except `lm_head` and modules marked
+`keep_unquantized` (MoE routers). Mixture-of-experts experts stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from roseray.layers.fp8_linear import Fp8Linear, is_linear
+
+logger = logging.getLogger(__name__)
+
+# a fused module's checkpoint parts, for ignore lists that name the parts
+_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
+CT_FORMATS = ("float-quantized", "naive-quantized")
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How an fp8 checkpoint stores its weights."""
+
+    method: str  # fp8 | compressed-tensors
+    scale_format: str  # tensor | channel | block
+    block_size: tuple[int, int] | None = None
+    ignore: tuple[str, ...] = ()
+
+
+def checkpoint_fp8_scheme(hf: dict[str, Any]) -> Fp8Scheme | None:
+    """The fp8 format of a config.json's quantization_config (None: not an fp8 checkpoint)."""
+    qc = hf.get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"fp8 checkpoint format {qc['fmt']!r} is unsupported; roseray loads e4m3")
+        ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
+        block = qc.get("weight_block_size")
+        if block:
+            return Fp8Scheme("fp8", "block", (int(block[0]), int(block[1])), ignore)
+        return Fp8Scheme("fp8", "tensor", None, ignore)
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(qc)
+    return None
+
+
+def _compressed_tensors_scheme(qc: dict[str, Any]) -> Fp8Scheme | None:
+    groups = [g for g in (qc.get("config_groups") or {}).values() if g.get("weights")]
+    if not groups:
+        return None
+    fmt = qc.get("format")
+    weights = groups[0]["weights"]
+    kind = f"{weights.get('num_bits')}-bit {weights.get('type')} weights"
+    if len(groups) > 1 or fmt not in CT_FORMATS or weights.get("num_bits") != 8 or weights.get("type") != "float":
+        raise ValueError(f"unsupported compressed-tensors checkpoint ({kind}, format {fmt!r}, {len(groups)} "
+                         "config group(s)); roseray loads one group of 8-bit float (fp8) weights")
+    if not set(groups[0].get("targets") or ["Linear"]) <= {"Linear"}:
+        raise ValueError(f"unsupported compressed-tensors targets {groups[0]['targets']}; roseray loads Linear")
+    strategy = weights.get("strategy", "tensor")
+    if strategy not in ("tensor", "channel", "block"):
+        raise ValueError(f"unsupported compressed-tensors weight strategy {strategy!r}; "
+                         "roseray loads tensor, channel and block")
+    block = tuple(int(v) for v in weights.get("block_structure") or (128, 128)) if strategy == "block" else None
+    return Fp8Scheme("compressed-tensors", strategy, block, tuple(qc.get("ignore") or ()))
+
+
+def check_fp8_device(device: torch.device) -> None:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise ValueError(f"fp8 weights need an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper); {name} is "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}: load the bf16 checkpoint")
+
+
+def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in list(model.named_modules()):
+        keep = getattr(module, "keep_unquantized", False)
+        if is_linear(module) and name.rpartition(".")[2] != "lm_head" and not keep:
+            yield name, module
+
+
+def _ignored(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether an ignore list covers module `name` (all of a fused module's parts, or none)."""
+    leaf = name.rpartition(".")[2]
+    names = [name.replace(leaf, part) for part in _PARTS.get(leaf, ())] or [name]
+    hits = [any(_matches(n, p) for p in patterns) for n in names]
+    if any(hits) and not all(hits):
+        raise ValueError(f"the fp8 checkpoint quantizes only some parts of {name}; roseray needs all or none")
+    return all(hits)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern) or name.startswith(pattern + ".")
+
+
+def install_fp8_shells(model: nn.Module, scheme: Fp8Scheme) -> int:
+    """Before loading an fp8 checkpoint: its quantized linear layers become empty Fp8Linears."""
+    count = 0
+    for name, module in quantizable_linears(model):
+        if not _ignored(name, scheme.ignore):
+            model.set_submodule(name, Fp8Linear.shell_like(module, scheme.scale_format, scheme.block_size))
+            count += 1
+    return count
+
+
+def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme,
+                       kv_scales: dict[int, dict[str, float]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors the model loads: static activation scales dropped, attention K/V scales
+    collected into `kv_scales` ({layer: {"k": s, "v": s}}), block scales named weight_scale_inv."""
+    dropped = 0
+    for name, tensor in weights:
+        match = _KV_SCALE.search(name)
+        if match is not None:
+            kind = match.group(2) or match.group(3)
+            kv_scales.setdefault(int(match.group(1)), {})[kind] = float(tensor.float().max())
+        elif name.endswith(".input_scale"):
+            dropped += 1
+        elif scheme.scale_format == "block" and name.endswith(".weight_scale"):
+            yield name[: -len("weight_scale")] + "weight_scale_inv", tensor
+        else:
+            yield name, tensor
+    if dropped:
+        logger.info("fp8 checkpoint: %d static activation scales not used (activations are quantized per token)",
+                    dropped)
+
+
+def finalize_fp8(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.finalize()
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module) -> int:
+    """Dynamic quantization at load: every quantizable linear layer -> Fp8Linear (per channel)."""
+    count = 0
+    for name, module in quantizable_linears(model):
+        model.set_submodule(name, Fp8Linear.from_linear(module))
+        count += 1
+    return count

@@ -1,0 +1,176 @@
+"""FP8 weights through roseray's real loading code (CPU, fp32 activations; the reference path
+computes with the dequantized weights, which transformers is given as its weights):
+
+- `quantization="fp8"` turns every decoder linear layer into e4m3 with per-channel scales;
+- a checkpoint written by us in each fp8 format loads: per-tensor and per-channel formats give
+  transformers' greedy ids on the dequantized weights exactly (under batching, chunked prefill,
+  prefix caching and preemption), and the per-channel one the same ids as the dynamic path;
+  block formats are requantized per channel (weights within e4m3's rounding of the checkpoint);
+- K/V scales are collected, static activation scales dropped, unsupported formats refused.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from roseray import LLM, SamplingParams
+from roseray.config import EngineConfig
+from roseray.layers.fp8_linear import Fp8Linear
+from roseray.models.loader import load_model_config
+from roseray_kernels.fp8_quant import FP8_DTYPE
+from tests.models.fp8_checkpoints import FORMATS, write_fp8_checkpoint
+from tests.models.hf_models import load_hf_model
+
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+KINDS = ["llama", "qwen2", "qwen3"]  # GQA, q/k/v biases, q/k norms
+
+
+def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 200) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run(path, batch, **engine_args):
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, **engine_args)
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    llm.engine.check_integrity()
+    return llm, got
+
+
+def hf_on(path, dequantized: dict[str, torch.Tensor]):
+    """transformers' model of `path` (fp32) with `dequantized` as its linear weights."""
+    hf = load_hf_model(path)
+    state = hf.state_dict()
+    missing = set(dequantized) - set(state)
+    assert not missing, missing
+    with torch.no_grad():
+        for name, weight in dequantized.items():
+            state[name].copy_(weight)
+    return hf
+
+
+def hf_greedy(hf, prompt):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+                          eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def source(request, tiny_checkpoint):
+    return request.param, tiny_checkpoint(request.param)
+
+
+def test_dynamic_quantization_makes_every_decoder_linear_fp8(source):
+    _, path = source
+    llm = LLM(str(path), device="cpu", dtype="float32", quantization="fp8")
+    model = llm.engine.runner.model
+    fp8 = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    plain = [name for name, m in model.named_modules() if type(m) in (nn.Linear,) and not name.endswith("lm_head")]
+    assert fp8 and not plain, plain
+    assert all(m.weight.dtype == FP8_DTYPE and m.weight_scale.shape == (m.out_features,) for m in fp8.values())
+    assert not any(isinstance(m, Fp8Linear) for name, m in model.named_modules() if name.endswith("lm_head"))
+
+
+def test_per_channel_checkpoint_equals_dynamic_path_and_transformers(source, tmp_path):
+    """The checkpoint our per-channel quantization writes: the same ids as quantizing at load, and
+    transformers' ids on its dequantized weights, batched, with chunked prefill, prefix caching
+    and preemption."""
+    _, path = source
+    dequantized = write_fp8_checkpoint(path, tmp_path / "ct", "ct-channel")
+    hf = hf_on(path, dequantized)
+    batch = prompts(6, 1, 30, seed=1)
+    want = [hf_greedy(hf, p) for p in batch]
+    _, dynamic = run(path, batch, quantization="fp8")
+    _, loaded = run(tmp_path / "ct", batch)
+    assert loaded == dynamic == want
+    long = prompts(4, 20, 40, seed=2)
+    _, chunked = run(tmp_path / "ct", long, max_num_batched_tokens=7, max_num_seqs=4)
+    assert chunked == [hf_greedy(hf, p) for p in long]
+    shared = prompts(1, 13, 13, seed=3)[0]
+    prefixed = [shared + tail for tail in prompts(4, 1, 6, seed=4)]
+    llm, got = run(tmp_path / "ct", prefixed, enable_prefix_caching=True, max_num_seqs=1)
+    assert llm.engine.get_stats().prefix_cache_hits > 0
+    assert got == [hf_greedy(hf, p) for p in prefixed]
+    crowded = prompts(6, 10, 20, seed=5)
+    llm, got = run(tmp_path / "ct", crowded, num_kv_blocks=16, max_num_seqs=6, enable_prefix_caching=False)
+    assert llm.engine.get_stats().num_preemptions_total > 0
+    assert got == [hf_greedy(hf, p) for p in crowded]
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "ct-channel"])
+def test_each_fp8_format_loads_its_weights(source, tmp_path, fmt):
+    kind, path = source
+    dequantized = write_fp8_checkpoint(path, tmp_path / fmt, fmt)
+    batch = prompts(4, 3, 25, seed=6)
+    llm, got = run(tmp_path / fmt, batch)
+    model = llm.engine.runner.model
+    loaded = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert loaded and all(m.weight.dtype == FP8_DTYPE and not hasattr(m, "weight_scale_inv") for m in loaded.values())
+    qkv = next(m for name, m in loaded.items() if name.endswith("layers.0.self_attn.qkv_proj"))
+    weight = qkv.weight.float() * qkv.weight_scale[:, None]
+    want = torch.cat([dequantized[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    if fmt.endswith("block"):  # requantized per channel: within e4m3's rounding of the checkpoint's weights
+        assert float((weight - want).norm() / want.norm()) < 0.04
+    else:  # per-tensor scales fill their part's rows: the very same weights
+        assert torch.equal(weight, want)
+        hf = hf_on(path, dequantized)
+        assert got == [hf_greedy(hf, p) for p in batch]
+
+
+def test_kv_scales_are_collected_and_static_activation_scales_dropped(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama")
+    write_fp8_checkpoint(path, tmp_path / "ct", "ct-tensor", kv_scales=0.5, static_activations=True)
+    llm = LLM(str(tmp_path / "ct"), device="cpu", dtype="float32")
+    assert llm.engine.runner.model.kv_cache_scales == {0: {"k": 0.5, "v": 0.5}, 1: {"k": 1.0, "v": 1.0}}
+
+
+def _with_quantization_config(src, dst, qc):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = qc
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("qc,message", [
+    ({"quant_method": "awq", "bits": 4}, "unsupported quantization method 'awq'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}}},
+     "unsupported compressed-tensors checkpoint (4-bit int weights"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fp8 checkpoint format 'e5m2' is unsupported"),
+])
+def test_unsupported_quantization_fails_at_config_time_with_one_line(tiny_checkpoint, tmp_path, qc, message):
+    path = _with_quantization_config(tiny_checkpoint("llama"), tmp_path / "q", qc)
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace("'", "'")) as info:
+        load_model_config(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_fp8_checkpoint_of_a_moe_model_is_refused(tiny_checkpoint, tmp_path):
+    path = _with_quantization_config(tiny_checkpoint("qwen3_moe"), tmp_path / "moe", {"quant_method": "fp8"})
+    with pytest.raises(ValueError, match="fp8 checkpoints of mixture-of-experts models"):
+        LLM(str(path), device="cpu", dtype="float32")
+
+
+def test_dynamic_fp8_on_a_moe_model_keeps_router_and_experts(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32", quantization="fp8")
+    model = llm.engine.runner.model
+    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    assert routers and all(type(m) is nn.Linear for m in routers)
+    assert any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def test_engine_config_refuses_unknown_quantization_and_kv_dtype():
+    with pytest.raises(ValueError, match="quantization must be one of fp8"):
+        EngineConfig(quantization="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
+        EngineConfig(kv_cache_dtype="fp16")

@@ -1,0 +1,55 @@
+"""FP8 weights on a CUDA device (Ada/Hopper), against the same model in bf16: greedy agreement on
+32 prompts x 64 tokens and the first token's log-probabilities (reported to $GPU_REPORT when set),
+and a checkpoint we write per channel loads to the same tokens as quantizing at load.
+Skipped without a GPU of compute capability 8.9+ (run on the GPU host)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from roseray import LLM, SamplingParams
+from tests.models.fp8_checkpoints import write_fp8_checkpoint
+from tests.models.gpu_helpers import generate_and_free, greedy_report
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an fp8 GPU")]
+
+PROMPTS, MAX_NEW, TOP = 32, 64, 20
+
+
+def prompts(seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 200) for _ in range(rng.randint(8, 120))] for _ in range(PROMPTS)]
+
+
+def run(path, batch, **engine_args):
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=TOP)
+    return generate_and_free(llm, batch, params)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_fp8_weights_agree_with_bf16(kind, tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint(kind)
+    batch = prompts()
+    bf16 = run(path, batch)
+    fp8 = run(path, batch, quantization="fp8")
+    errors, rel = [], []
+    for f, b in zip(fp8, bf16):
+        common = sorted(set(f.logprobs[0]) & set(b.logprobs[0]))
+        got = torch.tensor([f.logprobs[0][t] for t in common])
+        want = torch.tensor([b.logprobs[0][t] for t in common])
+        errors.append(float((got - want).abs().max()))
+        rel.append(float((got - want).norm() / want.norm()))
+    report = greedy_report([o.token_ids for o in fp8], [o.token_ids for o in bf16], MAX_NEW, errors,
+                           test="fp8 weights vs bf16", kind=kind,
+                           first_token_top20_logprob_rel_err_mean=sum(rel) / len(rel))
+    assert report["first_token_logprob_max_abs_err"] < 0.3, report
+    assert report["greedy_agreement"] > 0.3, report
+
+    write_fp8_checkpoint(path, tmp_path / "ct", "ct-channel")
+    loaded = run(tmp_path / "ct", batch)
+    assert [o.token_ids for o in loaded] == [o.token_ids for o in fp8]
