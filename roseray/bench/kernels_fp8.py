@@ -7,7 +7,7 @@ gaps do not count) of one decoder layer's four projections (q|k|v, o, gate|up, d
 (torch's F.linear, cuBLAS) and through roseray_kernels.fp8_gemm.fp8_linear (the path it picks for
 M), and each fp8 path alone: the weight-streaming W8A16 Triton kernel and the per-token quantize
 + cuBLASLt row-wise fp8 GEMM (W8A8). The W8A16_MAX_ROWS crossover is read from the last two.
---sweep times W8A16 tile shapes per M and prints the best against the default.
+--sweep times W8A16 tile shapes at SWEEP_ROWS rows and prints the best against the default.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from roseray_kernels.fp8_quant import quantize_per_channel
 
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 4096)
-SWEEP_TILES = tuple(W8A16Tile(m, n, k, w, s) for m in (16, 32, 64) for n in (32, 64, 128) for k in (128, 256)
-                    for w, s in ((4, 3), (4, 4), (8, 3)))
+SWEEP_ROWS = (1, 16)
+SWEEP_TILES = tuple(W8A16Tile(m, n, k, w, s) for m in (16, 32) for n in (16, 32, 64) for k in (128, 256)
+                    for w, s in ((4, 3), (4, 4)))
 
 
 def _layer_us(fn_per_shape, weights, rows, device) -> float:
@@ -58,7 +59,7 @@ def run(rows_csv: str, sweep: bool, out: str | None) -> int:
         results.append(dict(rows=rows, bf16_us=bf16, fp8_us=fp8, w8a16_us=w8a16, w8a8_us=w8a8))
         print(f"{rows:5d} {bf16:9.1f} {fp8:9.1f} {bf16 / fp8:8.2f} {w8a16:9.1f} {w8a8:9.1f}")
     if sweep:
-        _sweep(weights, [r for r in rows_list if r <= 256], device)
+        _sweep(weights, SWEEP_ROWS, device)
     if out:
         with open(out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "host": platform.node(), "time": time.time(),
