@@ -40,7 +40,8 @@ for part in $parts; do
                  tests/models tests/runtime/test_engine_process.py tests/runtime/test_engine_process_clients.py 2>&1 \
                  | tee "$OUT/gpu_tests.log" | tail -15 ;;
     kernels) python -m roseray.bench kernels --out "$OUT/kernels.json" 2>&1 | tail -30
-             python -m roseray.bench kernels --moe --out "$OUT/moe.json" 2>&1 | tail -16 ;;
+             python -m roseray.bench kernels --moe --out "$OUT/moe.json" 2>&1 | tail -16
+             python -m roseray.bench kernels --fp8 --out "$OUT/fp8.json" 2>&1 | tail -17 ;;
     seed)    python -m roseray.bench stream --workload seed --peer-hf --out "$OUT/seed.json" 2>&1 | grep -v " INFO " | tail -25 ;;
     seed-thread) python -m roseray.bench stream --workload seed --no-engine-process --out "$OUT/seed_thread.json" 2>&1 | grep -v " INFO " | tail -25 ;;
     http)    python -m roseray.bench serving --api-processes 4 --server-log "$OUT/http_server.log" \
