@@ -43,6 +43,7 @@ class W8A16Tile:
 NARROW_TILE = W8A16Tile(16, 32, 256, 4, 4)
 WIDE_TILE = W8A16Tile(16, 32, 128, 4, 3)
 WIDE_PROGRAMS_PER_SM = 4
+W8A8_TILE = W8A16Tile(64, 128, 128, 8, 3)  # fp8 x fp8: wgmma wants 64-row tiles
 
 
 def choose_w8a16_tile(rows: int, cols: int, num_sms: int) -> W8A16Tile:
@@ -58,12 +59,16 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m_rows, n_cols, k_dim,
-                  stride_xm, stride_wn, stride_om,
-                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m_rows, n_cols, k_dim,
+                     stride_xm, stride_wn, stride_om,
+                     X_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """out = x @ W.T * scale (* x_scale per row when X_FP8: x quantized, an fp8 x fp8 dot) + bias.
+    Programs sharing a weight tile run next to each other (rows fastest), so W is read once."""
+    num_m = tl.cdiv(m_rows, BLOCK_M)
+    pid_m = tl.program_id(0) % num_m
+    pid_n = tl.program_id(0) // num_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -80,37 +85,54 @@ def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, m_rows, n_cols, k_
             k_ok = start + offs_k < k_dim
             a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
+        if X_FP8:
+            acc = tl.dot(a, w, acc)
+        else:
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if X_FP8:
+        acc = acc * tl.load(x_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def fp8_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-              bias: torch.Tensor | None = None, tile: W8A16Tile | None = None) -> torch.Tensor:
-    """x [M, K] (rows contiguous) times the fp8 weight [N, K], weight streamed (one launch)."""
+def _launch(x, x_scale, weight, weight_scale, bias, out, tile: W8A16Tile) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.is_contiguous(), (x.shape, weight.shape)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if tile is None:
-        tile = choose_w8a16_tile(m, n, _num_sms(x.device))
-    grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m))
-    _w8a16_kernel[grid](
-        x, weight, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_K=k % tile.block_k == 0,
+    grid = (triton.cdiv(n, tile.block_n) * triton.cdiv(m, tile.block_m),)
+    _fp8_gemm_kernel[grid](
+        x, x_scale if x_scale is not None else weight_scale, weight, weight_scale,
+        bias if bias is not None else weight_scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        X_FP8=x_scale is not None, HAS_BIAS=bias is not None, EVEN_K=k % tile.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return out
+
+
+def fp8_w8a16(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              bias: torch.Tensor | None = None, tile: W8A16Tile | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous) times the fp8 weight [N, K], weight streamed (one launch)."""
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    tile = tile or choose_w8a16_tile(x.shape[0], weight.shape[0], _num_sms(x.device))
+    return _launch(x, None, weight, weight_scale, bias, out, tile)
+
+
+def fp8_w8a8_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None, tile: W8A16Tile = W8A8_TILE) -> torch.Tensor:
+    """x quantized per token, then this module's fp8 x fp8 kernel (both scales in its epilogue);
+    timed against cuBLASLt's by `bench kernels --fp8`."""
+    x_q, x_scale = quantize_per_token(x)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    return _launch(x_q, x_scale, weight, weight_scale, bias, out, tile)
 
 
 def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_row: torch.Tensor,

@@ -16,6 +16,7 @@ from roseray_kernels.fp8_gemm import (
     fp8_linear,
     fp8_linear_reference,
     fp8_w8a8,
+    fp8_w8a8_triton,
     fp8_w8a16,
 )
 from roseray_kernels.fp8_quant import (
@@ -96,6 +97,8 @@ def test_w8a8_path_multiplies_the_quantized_activations_and_weights(bias):
     assert rel_err(got, exact) < 0.01  # the scales applied per row and per column; bf16 output
     unquantized = fp8_linear_reference(x.float(), q, scale, None if b is None else b.float())
     assert rel_err(got, unquantized) < 0.08  # activations rounded to e4m3's 3 mantissa bits
+    triton_kernel = fp8_w8a8_triton(x, q, scale, b, tile=W8A16Tile(16, 32, 64, 4, 2))
+    assert rel_err(triton_kernel, exact) < 0.01
 
 
 def test_fp8_linear_picks_the_path_by_rows_and_keeps_leading_dims():
@@ -113,6 +116,8 @@ def test_fp8_linear_llama8b_shapes_on_gpu(n, k, rows):
     want = fp8_linear_reference(x.float(), q, scale)
     got = fp8_linear(x, q, scale)
     assert rel_err(got, want) < (0.01 if rows <= W8A16_MAX_ROWS else 0.06)
+    if rows > W8A16_MAX_ROWS:
+        assert rel_err(fp8_w8a8_triton(x, q, scale), want) < 0.06
     graph = torch.cuda.CUDAGraph()  # capturable: replays on new inputs
     with torch.cuda.graph(graph):
         captured = fp8_linear(x, q, scale)
