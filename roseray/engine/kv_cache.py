@@ -1,6 +1,8 @@
 """The paged KV cache's size and memory: bytes per block, how many blocks fit on a GPU after
 the activation peak of the largest step, and the one tensor every attention layer's cache is
-a view of ([2, num_layers, num_blocks, block_size, num_kv_heads, head_dim])."""
+a view of ([2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]). Its dtype is the
+cache's (the model's, or fp8 e4m3 at one byte an element), so an fp8 cache holds twice the
+blocks of a bf16 one in the same memory."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes of one block across all layers, K and V, in the cache dtype `dtype`."""
     mc = model_config
     return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype.itemsize * block_size
 

@@ -38,7 +38,9 @@ from roseray.layers.attention import (
     TorchAttentionBackend,
     attention_metadata,
     set_attention_backend,
+    set_kv_scales,
 )
+from roseray.layers.kv_fp8 import FP8_KV_DTYPE, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
 ALIGN = 16  # int32 elements: staging-buffer regions start 64-byte aligned
@@ -106,6 +108,11 @@ class ModelRunner:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.backend = make_attention_backend(config.attention_backend, device)
         set_attention_backend(self.backend)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+        self._check_kv_cache_dtype()
+        if config.kv_cache_scale is not None:  # every layer's K and V (a checkpoint's own scales come with the weights)
+            for layer in self.attention_layers:
+                set_kv_scales(layer, config.kv_cache_scale, config.kv_cache_scale)
 
         # One int32 staging buffer for everything a step sends to the device (two on CUDA,
         # used in turn: see the module docstring).
@@ -129,7 +136,7 @@ class ModelRunner:
 
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = allocate_kv_cache(self.attention_layers, self.num_blocks, self.block_size, model_config,
-                                          dtype, device)
+                                          self.kv_cache_dtype, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode-only steps, by batch size
         self.piecewise: PiecewiseGraphs | None = None  # steps with prefill chunks, by token count
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
@@ -137,7 +144,16 @@ class ModelRunner:
     # ---- KV cache ----------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model_config, self.dtype, self.block_size)
+        return kv_bytes_per_block(self.model_config, self.kv_cache_dtype, self.block_size)
+
+    def _check_kv_cache_dtype(self) -> None:
+        """The Triton kernels convert e4m3 in hardware: compute capability 8.9 (Ada) or newer."""
+        if self.kv_cache_dtype != FP8_KV_DTYPE or self.device.type != "cuda" or self.backend.name != "triton":
+            return
+        capability = torch.cuda.get_device_capability(self.device)
+        if capability < (8, 9):
+            raise ValueError(f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                             f"this one is {capability[0]}.{capability[1]}: use kv_cache_dtype auto")
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
