@@ -12,8 +12,32 @@ from collections.abc import Callable
 import torch
 
 from roseray.config import ModelConfig
+from roseray.layers.attention import set_kv_scales
+from roseray.layers.kv_fp8 import FP8_KV_DTYPE, kv_cache_dtype_name, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
+
+
+def choose_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device,
+                          backend_name: str) -> torch.dtype:
+    """The cache dtype for EngineConfig.kv_cache_dtype. The Triton kernels convert e4m3 in
+    hardware: an fp8 cache on them needs compute capability 8.9 (Ada) or newer."""
+    dtype = kv_cache_torch_dtype(kv_cache_dtype, model_dtype)
+    if dtype == FP8_KV_DTYPE and device.type == "cuda" and backend_name == "triton":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                             f"this one is {capability[0]}.{capability[1]}: use kv_cache_dtype auto")
+    return dtype
+
+
+def set_kv_cache_scale(attention_layers: list, scale: float, cache_dtype: torch.dtype) -> None:
+    """EngineConfig.kv_cache_scale: every layer's K and V scale, over a checkpoint's own."""
+    for layer in attention_layers:
+        set_kv_scales(layer, scale, scale)
+    if cache_dtype != FP8_KV_DTYPE:
+        logger.warning("kv_cache_scale=%s has no effect on a %s KV cache (kv_cache_dtype fp8 uses it)", scale,
+                       kv_cache_dtype_name(cache_dtype))
 
 
 def kv_bytes_per_block(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:

@@ -29,7 +29,13 @@ from torch import nn
 
 from roseray.config import EngineConfig, ModelConfig
 from roseray.engine.block_manager import BlockManager
-from roseray.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, profile_gpu_blocks
+from roseray.engine.kv_cache import (
+    allocate_kv_cache,
+    choose_kv_cache_dtype,
+    kv_bytes_per_block,
+    profile_gpu_blocks,
+    set_kv_cache_scale,
+)
 from roseray.engine.piecewise_graphs import PiecewiseGraphs
 from roseray.engine.scheduler import SchedulerOutput
 from roseray.layers.attention import (
@@ -38,9 +44,7 @@ from roseray.layers.attention import (
     TorchAttentionBackend,
     attention_metadata,
     set_attention_backend,
-    set_kv_scales,
 )
-from roseray.layers.kv_fp8 import FP8_KV_DTYPE, kv_cache_torch_dtype
 
 logger = logging.getLogger(__name__)
 ALIGN = 16  # int32 elements: staging-buffer regions start 64-byte aligned
@@ -108,11 +112,9 @@ class ModelRunner:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.backend = make_attention_backend(config.attention_backend, device)
         set_attention_backend(self.backend)
-        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
-        self._check_kv_cache_dtype()
-        if config.kv_cache_scale is not None:  # every layer's K and V (a checkpoint's own scales come with the weights)
-            for layer in self.attention_layers:
-                set_kv_scales(layer, config.kv_cache_scale, config.kv_cache_scale)
+        self.kv_cache_dtype = choose_kv_cache_dtype(config.kv_cache_dtype, dtype, device, self.backend.name)
+        if config.kv_cache_scale is not None:
+            set_kv_cache_scale(self.attention_layers, config.kv_cache_scale, self.kv_cache_dtype)
 
         # One int32 staging buffer for everything a step sends to the device (two on CUDA,
         # used in turn: see the module docstring).
@@ -145,15 +147,6 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.model_config, self.kv_cache_dtype, self.block_size)
-
-    def _check_kv_cache_dtype(self) -> None:
-        """The Triton kernels convert e4m3 in hardware: compute capability 8.9 (Ada) or newer."""
-        if self.kv_cache_dtype != FP8_KV_DTYPE or self.device.type != "cuda" or self.backend.name != "triton":
-            return
-        capability = torch.cuda.get_device_capability(self.device)
-        if capability < (8, 9):
-            raise ValueError(f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
-                             f"this one is {capability[0]}.{capability[1]}: use kv_cache_dtype auto")
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

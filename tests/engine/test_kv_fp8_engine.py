@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from roseray import LLM, SamplingParams
+from roseray.engine.kv_cache import choose_kv_cache_dtype, set_kv_cache_scale
 from roseray.layers.attention import Attention, set_kv_scales
 from roseray.layers.kv_fp8 import FP8_KV_DTYPE
 
@@ -129,3 +130,24 @@ def test_set_kv_scales_takes_checkpoint_tensors_and_rejects_bad_ones():
     for bad in (0.0, -1.0, float("inf"), float("nan"), torch.ones(2)):
         with pytest.raises(ValueError):
             set_kv_scales(layer, bad, 1.0)
+
+
+def test_fp8_cache_on_triton_needs_compute_capability_8_9(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        choose_kv_cache_dtype("fp8", torch.bfloat16, cuda, "triton")
+    assert choose_kv_cache_dtype("auto", torch.bfloat16, cuda, "triton") == torch.bfloat16
+    assert choose_kv_cache_dtype("fp8", torch.bfloat16, cuda, "torch") == FP8_KV_DTYPE
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert choose_kv_cache_dtype("fp8", torch.bfloat16, cuda, "triton") == FP8_KV_DTYPE
+
+
+def test_kv_cache_scale_without_an_fp8_cache_warns(caplog):
+    layers = [Attention(4, 2, 16, 0.25) for _ in range(2)]
+    with caplog.at_level(logging.WARNING, logger="roseray.engine.kv_cache"):
+        set_kv_cache_scale(layers, 0.5, FP8_KV_DTYPE)
+        assert not caplog.records
+        set_kv_cache_scale(layers, 0.25, torch.bfloat16)
+    assert "no effect on a bfloat16 KV cache" in caplog.records[0].getMessage()
+    assert {(layer.k_scale, layer.v_scale) for layer in layers} == {(0.25, 0.25)}
