@@ -23,6 +23,11 @@ before the window are not read), `softcap` (scores -> cap * tanh(scores / cap)) 
 (a per-head logit in every softmax's denominator). The jitted code is in
 paged_attention_kernels.
 
+fp8 KV cache (torch.float8_e4m3fn, written by kv_append with per-layer k_scale / v_scale):
+the kernels convert each K/V tile to the query's dtype after loading it; k_scale is folded
+into the softmax scale on the host and v_scale multiplies the output once, so an fp8 cache
+costs one conversion per element read. A cache in the query's dtype ignores the scales.
+
 Padding: sequences with seq_len 0 give zero rows; rows past query_start_loc[-1] are zeroed.
 """
 
@@ -37,6 +42,7 @@ import triton
 from .paged_attention_kernels import combine_splits_kernel, decode_kernel, general_kernel
 
 LOG2E = 1.4426950408889634
+FP8_DTYPE = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,7 @@ def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> 
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (k_cache.shape, query.shape)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "K and V caches must share a layout"
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert query.dtype == k_cache.dtype == v_cache.dtype, (query.dtype, k_cache.dtype)
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (query.dtype, FP8_DTYPE), (query.dtype, k_cache.dtype)
     assert query.stride(2) == 1, "query rows must be contiguous in head_dim"
     assert query_start_loc.dtype == seq_lens.dtype == block_tables.dtype == torch.int32
     assert query_start_loc.shape[0] >= seq_lens.shape[0] + 1 and block_tables.shape[0] >= seq_lens.shape[0]
@@ -131,6 +137,8 @@ def paged_attention(
     sliding_window: int | None = None,  # a query at position p sees keys in (p - sliding_window, p]
     softcap: float | None = None,  # scores (after scale) -> softcap * tanh(scores / softcap)
     sinks: torch.Tensor | None = None,  # [num_heads] fp32/bf16 logits, one more term in each softmax denominator
+    k_scale: float = 1.0,  # fp8 cache: key = stored * k_scale
+    v_scale: float = 1.0,  # fp8 cache: value = stored * v_scale
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query rows over its cached keys."""
     _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
@@ -139,7 +147,7 @@ def paged_attention(
     num_tokens = query.shape[0]
     if num_tokens == 0:
         return out
-    options = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    options = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if max_query_len <= 1:
         if num_splits is None:
             keys_read = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + k_cache.shape[1])
@@ -158,18 +166,25 @@ def _common_args(query, k_cache, out, block_tables):
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
 
 
-def _option_args(query, scale, sliding_window, softcap, sinks) -> tuple[torch.Tensor, tuple, dict]:
+def _option_args(query, k_cache, scale, sliding_window, softcap, sinks, k_scale,
+                 v_scale) -> tuple[torch.Tensor, tuple, dict]:
     """The layer options as kernel arguments: the sinks tensor (the query stands in when there is
-    none), the runtime scalars (qk_scale, window, cap_l2) and the constexpr flags."""
+    none), the runtime scalars (qk_scale, window, cap_l2, v_scale) and the constexpr flags. An fp8
+    cache's k_scale joins qk_scale; any other cache leaves both scales out."""
     assert sliding_window is None or sliding_window >= 1, sliding_window
     assert softcap is None or softcap > 0, softcap
     if sinks is not None:
         assert sinks.shape == (query.shape[1],) and sinks.stride(0) == 1, (sinks.shape, query.shape)
         assert sinks.device == query.device, (sinks.device, query.device)
+    kv_fp8 = k_cache.dtype == FP8_DTYPE
+    if kv_fp8:
+        scale *= k_scale
     qk_scale = scale * LOG2E if softcap is None else scale / softcap  # tanh takes scores / cap
     cap_l2 = 0.0 if softcap is None else softcap * LOG2E
-    flags = dict(HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None)
-    return (query if sinks is None else sinks), (qk_scale, sliding_window or 0, cap_l2), flags
+    flags = dict(HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+                 KV_FP8=kv_fp8)
+    scalars = (qk_scale, sliding_window or 0, cap_l2, v_scale if kv_fp8 else 1.0)
+    return (query if sinks is None else sinks), scalars, flags
 
 
 def _group(query, k_cache) -> tuple[int, int]:
@@ -182,7 +197,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _launch_decode(query, k_cache, v_cache, out, qsl, seq_lens, tables, scale, num_splits, cfg: KernelConfig, *,
-                   sliding_window=None, softcap=None, sinks=None):
+                   sliding_window=None, softcap=None, sinks=None, k_scale=1.0, v_scale=1.0):
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     group, group_pad = _group(query, k_cache)
@@ -193,7 +208,7 @@ def _launch_decode(query, k_cache, v_cache, out, qsl, seq_lens, tables, scale, n
         part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # unused
-    sinks_arg, scalars, flags = _option_args(query, scale, sliding_window, softcap, sinks)
+    sinks_arg, scalars, flags = _option_args(query, k_cache, scale, sliding_window, softcap, sinks, k_scale, v_scale)
     sqt, sqh, sot, soh, stab, skb, sks, skh = _common_args(query, k_cache, out, tables)
     grid = (max(num_seqs, num_tokens), num_kv_heads, num_splits)
     decode_kernel[grid](
@@ -212,13 +227,13 @@ def _launch_decode(query, k_cache, v_cache, out, qsl, seq_lens, tables, scale, n
 
 
 def _launch_general(query, k_cache, v_cache, out, qsl, seq_lens, tables, scale, cfg: KernelConfig, *,
-                    sliding_window=None, softcap=None, sinks=None):
+                    sliding_window=None, softcap=None, sinks=None, k_scale=1.0, v_scale=1.0):
     num_tokens, _, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     group, group_pad = _group(query, k_cache)
     block_q = max(1, cfg.block_m // group_pad)
     block_q = max(block_q, triton.cdiv(16, group_pad))  # tl.dot needs >= 16 rows
-    sinks_arg, scalars, flags = _option_args(query, scale, sliding_window, softcap, sinks)
+    sinks_arg, scalars, flags = _option_args(query, k_cache, scale, sliding_window, softcap, sinks, k_scale, v_scale)
     sqt, sqh, sot, soh, stab, skb, sks, skh = _common_args(query, k_cache, out, tables)
     grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads)
     general_kernel[grid](

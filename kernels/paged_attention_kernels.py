@@ -13,6 +13,9 @@ compiles to exactly the plain kernel:
 - HAS_SINKS: one extra logit per query head in every softmax's denominator, attending to
   nothing. It is folded in once, after the online softmax (`_add_sink`); with split-KV
   decode, in the combine kernel only.
+- KV_FP8: the cache holds e4m3 values; K/V tiles are converted to the query's dtype after
+  the load (the dots run as in the plain kernel). The host folds k_scale into qk_scale; the
+  output (or, with split-KV, each split's accumulator) is multiplied by v_scale once.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def _attend(
     stride_kb, stride_ks,  # cache strides of a block and of a slot
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax of q against keys [kv_lo, kv_hi) of one sequence and one KV head."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -71,6 +75,8 @@ def _attend(
         kv_off = page * stride_kb + (offs_n % PAGE) * stride_ks  # [N]
         kv_ptrs = kv_off[:, None] + offs_d[None, :]  # [N, D]
         k = tl.load(k_head_ptr + kv_ptrs, mask=valid_n[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
         if HAS_SOFTCAP:
             qk = _tanh(qk) * cap_l2
@@ -85,6 +91,8 @@ def _attend(
         p = tl.exp2(qk - m_new[:, None])  # [M, N]
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_head_ptr + kv_ptrs, mask=valid_n[:, None], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -155,13 +163,13 @@ def decode_kernel(
     qsl_ptr, seq_lens_ptr, tables_ptr,
     part_acc_ptr, part_ml_ptr,  # split workspace: [S, H, SPLITS, D] fp32, [S, H, SPLITS, 2] fp32
     sinks_ptr,  # [H] sink logits (HAS_SINKS)
-    qk_scale, window, cap_l2, num_seqs, num_tokens,
+    qk_scale, window, cap_l2, v_scale, num_seqs, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_kb, stride_ks, stride_kh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_DOT: tl.constexpr,  # False: _attend_row (GROUP == 1, BLOCK_M == 1)
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -200,12 +208,14 @@ def decode_kernel(
     if USE_DOT:
         acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_ptr, kv_lo, kv_hi, q_pos + r * 0,
                                 qk_scale, window, cap_l2, stride_kb, stride_ks, PAGE, BLOCK_N, HEAD_DIM, False,
-                                DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+                                DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, KV_FP8)
     else:
         acc, m_i, l_i = _attend_row(q.to(tl.float32), k_head_ptr, v_head_ptr, table_ptr, kv_lo, kv_hi, q_pos,
                                     qk_scale, window, cap_l2, stride_kb, stride_ks, PAGE, BLOCK_N, HEAD_DIM,
                                     HAS_WINDOW, HAS_SOFTCAP)
     heads = kv_head * GROUP + r  # [M]
+    if KV_FP8:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * LOG2E
@@ -279,12 +289,12 @@ def general_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, tables_ptr,
     sinks_ptr,  # [H] sink logits (HAS_SINKS)
-    qk_scale, window, cap_l2, num_seqs, num_tokens,
+    qk_scale, window, cap_l2, v_scale, num_seqs, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_kb, stride_ks, stride_kh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -328,13 +338,15 @@ def general_kernel(
         kv_start = _window_start(kv_shared, window, PAGE)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_ptr, kv_start, kv_shared, q_pos,
                             qk_scale, window, cap_l2, stride_kb, stride_ks, PAGE, BLOCK_N, HEAD_DIM, False,
-                            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+                            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, KV_FP8)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_ptr, kv_shared, kv_end, q_pos,
                             qk_scale, window, cap_l2, stride_kb, stride_ks, PAGE, BLOCK_N, HEAD_DIM, True,
-                            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+                            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, KV_FP8)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head, mask=head_ok, other=0.0).to(tl.float32) * LOG2E
         acc, l_i = _add_sink(acc, m_i, l_i, sink)
+    if KV_FP8:
+        acc = acc * v_scale
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = out_ptr + (rows * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -4,6 +4,7 @@
     python -m roseray.bench kernels [--out results.json] [--sweep]
     python -m roseray.bench kernels --moe [--moe-tokens 1,64,8192] [--sweep] [--out results.json]
     python -m roseray.bench kernels --fp8 [--fp8-rows 1,64,256] [--sweep] [--out results.json]
+    python -m roseray.bench kernels --kv-cache-dtype fp8   # the attention kernels over an e4m3 cache
     python -m roseray.bench.kernels ...
 
 Times are medians of triton.testing.do_bench (CUDA events). Bandwidth counts the bytes a
@@ -27,6 +28,8 @@ import triton
 
 from roseray.bench import kernels_fp8, kernels_moe
 from roseray.bench.kernel_timing import Row, bandwidth, bench_copy, graph_us, median_us, rotating, try_time
+from roseray.config import KV_CACHE_DTYPES
+from roseray.layers.kv_fp8 import kv_cache_dtype_name, kv_cache_torch_dtype
 from roseray_kernels import kv_append, kv_append_index_put_baseline, paged_attention
 from roseray_kernels.kv_append import TOKENS_PER_PROGRAM, launch_kv_append
 from roseray_kernels.paged_attention import (
@@ -63,9 +66,14 @@ def _empty_kernel(x_ptr):
 # ---------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------
+# The cache dtype of the run (--kv-cache-dtype): None = the model dtype, else torch.float8_e4m3fn.
+KV_CACHE_DTYPE: torch.dtype | None = None
+
+
 def make_cache(num_blocks: int, dtype, device, geometry=QWEN3):
     shape = (num_blocks, geometry["block_size"], geometry["num_kv_heads"], geometry["head_dim"])
-    return torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)
+    cache_dtype = KV_CACHE_DTYPE or dtype
+    return tuple(torch.randn(shape, dtype=dtype, device=device).to(cache_dtype) for _ in range(2))
 
 
 @dataclass
@@ -132,13 +140,16 @@ def bench_kv_append(k_cache, v_cache, copy_bw, empty_us, dtype, device) -> list[
             slots = torch.randperm(num_slots, device=device)[:num_tokens].int()
             inputs.append((qkv[:, 1], qkv[:, 2], slots))
         triton_fn = rotating([lambda a=a: kv_append(a[0], a[1], k_cache, v_cache, a[2]) for a in inputs])
-        base_fn = rotating([lambda a=a: kv_append_index_put_baseline(a[0], a[1], k_cache, v_cache, a[2])
-                            for a in inputs])
-        nbytes = 2 * 2 * num_tokens * hkv * d * k_cache.element_size() + num_tokens * 4
-        us, base_us = median_us(triton_fn), median_us(base_fn)
-        extra = {"x_empty": us / empty_us, "baseline_us": base_us, "speedup": base_us / us}
+        nbytes = 2 * num_tokens * hkv * d * (k_cache.element_size() + qkv.element_size()) + num_tokens * 4
+        us = median_us(triton_fn)
+        extra = {"x_empty": us / empty_us}
+        if k_cache.dtype == dtype:  # the torch baseline copies, it does not quantize
+            base_us = median_us(rotating([lambda a=a: kv_append_index_put_baseline(a[0], a[1], k_cache, v_cache, a[2])
+                                          for a in inputs]))
+            extra.update(baseline_us=base_us, speedup=base_us / us)
         extra.update(bandwidth(nbytes, us, copy_bw))
-        rows.append(Row(f"kv_append {num_tokens} tokens (Qwen3, {str(dtype)[6:]})", us, extra))
+        into = "" if k_cache.dtype == dtype else f" -> {kv_cache_dtype_name(k_cache.dtype)}"
+        rows.append(Row(f"kv_append {num_tokens} tokens (Qwen3, {str(dtype)[6:]}{into})", us, extra))
         if num_tokens <= 256:
             g_us = graph_us(lambda a=inputs[0]: kv_append(a[0], a[1], k_cache, v_cache, a[2]))
             rows.append(Row(f"kv_append {num_tokens} tokens, device time in a CUDA graph", g_us, {}))
@@ -320,7 +331,7 @@ def sweep_kv_append(k_cache, v_cache, copy_bw, empty_us, dtype, device, deadline
     for num_tokens in (256, 8192):
         qkv = torch.randn(num_tokens, 3, hkv, d, dtype=dtype, device=device)
         slots = torch.randperm(k_cache.shape[0] * k_cache.shape[1], device=device)[:num_tokens].int()
-        nbytes = 4 * num_tokens * hkv * d * k_cache.element_size()
+        nbytes = 2 * num_tokens * hkv * d * (k_cache.element_size() + qkv.element_size())
         for block_t in (1, 2, 4, 8):
             for num_warps in (1, 2, 4, 8):
                 if time.time() > deadline:
@@ -350,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8", action="store_true", help="fp8 against bf16 linear layers at Llama-8B's shapes "
                         "instead of the attention kernels; with --sweep, the W8A16 tile sweep")
     parser.add_argument("--fp8-rows", default="", help="--fp8: comma list of row counts (default 1..4096)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the attention kernels' cache: auto = --dtype, fp8 = e4m3 (queries stay --dtype)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernel benchmarks need a CUDA device", file=sys.stderr)
@@ -360,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         return kernels_moe.run(args.dtype, args.moe_tokens, bool(args.sweep), args.sweep_seconds, args.out)
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     torch.manual_seed(0)
+    global KV_CACHE_DTYPE
+    KV_CACHE_DTYPE = kv_cache_torch_dtype(args.kv_cache_dtype, dtype)
 
     copy_row, copy_bw = bench_copy(device)
     rows = [copy_row] + bench_empty(device)
@@ -382,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += sweep_rows
 
     print(f"\nroseray kernels on {torch.cuda.get_device_name(0)}, {time.strftime('%Y-%m-%d %H:%M')}, "
-          f"torch {torch.__version__}, triton {triton.__version__}, {args.dtype}")
+          f"torch {torch.__version__}, triton {triton.__version__}, {args.dtype}, KV cache "
+          f"{kv_cache_dtype_name(KV_CACHE_DTYPE)}")
     print(f"defaults: decode {DECODE_CONFIG}, MHA decode {DECODE_MHA_CONFIG}, prefill {PREFILL_CONFIG}, "
           f"kv_append {TOKENS_PER_PROGRAM} token(s)/program")
     print("\n".join(r.text() for r in rows if not r.name.startswith("sweep")))
@@ -390,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"benchmark": "kernels", "device": torch.cuda.get_device_name(0),
                    "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                    "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-                   "dtype": args.dtype, "rows": [{"name": r.name, "us": r.us, **r.extra} for r in rows]}
+                   "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
+                   "rows": [{"name": r.name, "us": r.us, **r.extra} for r in rows]}
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=2)
     return 0

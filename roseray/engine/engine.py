@@ -24,6 +24,7 @@ from roseray.engine.sampler import PendingSample, Sampler
 from roseray.engine.scheduler import Scheduler, SchedulerOutput
 from roseray.engine.structured_output import check_structured_outputs
 from roseray.engine.structured_requests import StructuredOutputManager
+from roseray.layers.kv_fp8 import kv_cache_dtype_name
 from roseray.models.loader import load_model, load_model_config
 from roseray.sampling_params import SamplingParams
 from roseray.tokenizer import load_tokenizer
@@ -110,9 +111,10 @@ class LLMEngine:
                     "loaded in %.1f s; detokenizing %s", self.model_name, mc.hf_architecture or mc.architecture,
                     mc.num_hidden_layers, mc.hidden_size, mc.vocab_size, str(self.dtype).removeprefix("torch."),
                     self.device, self.runner.backend.name, seconds, self.detokenization)
-        logger.info("KV cache: %d blocks x %d = %d tokens (%.2f GiB); max concurrency at max_model_len %d: %.2fx; "
-                    "max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s, CUDA graphs %s",
-                    self.runner.num_blocks, self.config.block_size, capacity, gib, self.max_model_len,
+        logger.info("KV cache: %d blocks x %d = %d tokens (%.2f GiB, %s); max concurrency at max_model_len %d: "
+                    "%.2fx; max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s, CUDA graphs %s",
+                    self.runner.num_blocks, self.config.block_size, capacity, gib,
+                    kv_cache_dtype_name(self.runner.kv_cache_dtype), self.max_model_len,
                     capacity / self.max_model_len, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                     "on" if self.config.enable_prefix_caching else "off", "on" if self.runner.graphs else "off")
 

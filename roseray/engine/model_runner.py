@@ -29,7 +29,13 @@ from torch import nn
 
 from roseray.config import EngineConfig, ModelConfig
 from roseray.engine.block_manager import BlockManager
-from roseray.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block, profile_gpu_blocks
+from roseray.engine.kv_cache import (
+    allocate_kv_cache,
+    choose_kv_cache_dtype,
+    kv_bytes_per_block,
+    profile_gpu_blocks,
+    set_kv_cache_scales,
+)
 from roseray.engine.piecewise_graphs import PiecewiseGraphs
 from roseray.engine.scheduler import SchedulerOutput
 from roseray.layers.attention import (
@@ -106,6 +112,9 @@ class ModelRunner:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.backend = make_attention_backend(config.attention_backend, device)
         set_attention_backend(self.backend)
+        self.kv_cache_dtype = choose_kv_cache_dtype(config.kv_cache_dtype, dtype, device, self.backend.name)
+        set_kv_cache_scales(self.attention_layers, getattr(model, "kv_cache_scales", {}), config.kv_cache_scale,
+                            self.kv_cache_dtype)
 
         # One int32 staging buffer for everything a step sends to the device (two on CUDA,
         # used in turn: see the module docstring).
@@ -129,7 +138,7 @@ class ModelRunner:
 
         self.num_blocks = self._decide_num_blocks()
         self.kv_cache = allocate_kv_cache(self.attention_layers, self.num_blocks, self.block_size, model_config,
-                                          dtype, device)
+                                          self.kv_cache_dtype, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode-only steps, by batch size
         self.piecewise: PiecewiseGraphs | None = None  # steps with prefill chunks, by token count
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
@@ -137,7 +146,7 @@ class ModelRunner:
     # ---- KV cache ----------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model_config, self.dtype, self.block_size)
+        return kv_bytes_per_block(self.model_config, self.kv_cache_dtype, self.block_size)
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

@@ -6,7 +6,9 @@ set once per step by the model runner (`attention_metadata(...)`) and read by ev
 layer, so no layer builds index tensors of its own.
 
 Cache layout, per layer: `k_cache`, `v_cache` of shape
-`[num_blocks, block_size, num_kv_heads, head_dim]`; one block id spans all layers.
+`[num_blocks, block_size, num_kv_heads, head_dim]`; one block id spans all layers. The cache
+is in the model's dtype, or fp8 e4m3 (roseray.layers.kv_fp8) with the layer's `k_scale` and
+`v_scale`: backends quantize on store and dequantize on read; other caches ignore the scales.
 
 Backends:
 - `TorchAttentionBackend`: the reference, used on CPU and as the GPU fallback.
@@ -22,6 +24,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
+from roseray.layers.kv_fp8 import dequantize_fp8, is_fp8, quantize_fp8
 
 
 @dataclass
@@ -53,6 +57,8 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens]
+        k_scale: float = 1.0,  # fp8 cache: stored = key / k_scale
+        v_scale: float = 1.0,
     ) -> None: ...
 
     def forward(
@@ -67,6 +73,8 @@ class AttentionBackend(Protocol):
         sliding_window: int | None = None,  # keys within the last `sliding_window` positions only
         softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
         sinks: torch.Tensor | None = None,  # [num_heads] logits of a per-head sink in every softmax
+        k_scale: float = 1.0,  # fp8 cache: key = stored * k_scale
+        v_scale: float = 1.0,
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
@@ -75,20 +83,25 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         slot_mapping = slot_mapping[: key.shape[0]].long()
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+        if is_fp8(k_cache):  # index_copy_ has no fp8 kernel on every device: copy the bytes
+            key, value = quantize_fp8(key, k_scale).view(torch.uint8), quantize_fp8(value, v_scale).view(torch.uint8)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 out: torch.Tensor | None = None, *, sliding_window: int | None = None,
-                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         result = paged_attention_reference(query, k_cache, v_cache, meta, scale, sliding_window=sliding_window,
-                                           softcap=softcap, sinks=sinks)  # fmt: skip
+                                           softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         return result if out is None else out.copy_(result)
 
 
@@ -102,12 +115,15 @@ def paged_attention_reference(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached tokens, in fp32.
 
     sliding_window: a query at position p sees keys at positions > p - sliding_window.
     softcap: scores (after `scale`) become softcap * tanh(scores / softcap).
     sinks: one extra logit per head in every softmax's denominator, attending to nothing.
+    k_scale, v_scale: an fp8 cache's gathered keys and values are dequantized with them.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -125,6 +141,8 @@ def paged_attention_reference(
     tables = meta.block_tables[:num_seqs, :num_ctx_blocks].long().clamp_min(0)
     keys = k_cache[tables].reshape(num_seqs, num_ctx_blocks * block_size, num_kv_heads, head_dim)[:, :max_kv]
     values = v_cache[tables].reshape(num_seqs, num_ctx_blocks * block_size, num_kv_heads, head_dim)[:, :max_kv]
+    if is_fp8(k_cache):
+        keys, values = dequantize_fp8(keys, k_scale), dequantize_fp8(values, v_scale)
     keys = keys.float().repeat_interleave(group, dim=2)  # [num_seqs, max_kv, num_heads, head_dim]
     values = values.float().repeat_interleave(group, dim=2)
 
@@ -224,6 +242,9 @@ class Attention(nn.Module):
     `sliding_window` positions, itself included), `softcap` (scores -> softcap *
     tanh(scores / softcap)), `has_sinks` (a learned per-head logit `sinks` joins every
     softmax's denominator: gpt-oss).
+
+    `k_scale`, `v_scale` (python floats, 1.0 by default): an fp8 cache stores K / k_scale and
+    V / v_scale; set them with `set_kv_scales` before the first step (CUDA graphs keep them).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
@@ -234,13 +255,15 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.sliding_window, self.softcap = sliding_window, softcap
         self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if has_sinks else None
+        self.k_scale, self.v_scale = 1.0, 1.0
         # Bound by the model runner once the cache is allocated.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def options(self) -> dict:
         """The layer's keyword options for AttentionBackend.forward."""
-        return {"sliding_window": self.sliding_window, "softcap": self.softcap, "sinks": self.sinks}
+        return {"sliding_window": self.sliding_window, "softcap": self.softcap, "sinks": self.sinks,
+                "k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -251,9 +274,26 @@ class Attention(nn.Module):
         if self.k_cache is None:
             out = causal_attention_no_cache(q, k, v, meta, self.scale)
         else:
-            _BACKEND.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            _BACKEND.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             if _SPLIT is not None:
                 out = _SPLIT(self, q)
             else:
                 out = _BACKEND.forward(q, self.k_cache, self.v_cache, meta, self.scale, **self.options())
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+
+def set_kv_scales(layer: Attention, k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> None:
+    """Set an attention layer's fp8 KV-cache scales (python floats or one-element tensors, e.g. a
+    checkpoint's `...self_attn.k_scale` / `v_scale`): the cache stores K / k_scale and V / v_scale.
+    Call at load time, before CUDA graphs are captured (they keep the scales as constants)."""
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(scale, torch.Tensor):
+            if scale.numel() != 1:
+                raise ValueError(f"{name} must be one value per layer; got shape {tuple(scale.shape)}")
+            scale = scale.item()  # load time, not a forward
+        scale = float(scale)
+        if not 0.0 < scale < float("inf"):
+            raise ValueError(f"{name} must be a positive finite number; got {scale}")
+        scales.append(scale)
+    layer.k_scale, layer.v_scale = scales

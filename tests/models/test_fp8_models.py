@@ -126,11 +126,16 @@ def test_each_fp8_format_loads_its_weights(source, tmp_path, fmt):
         assert got == [hf_greedy(hf, p) for p in batch]
 
 
-def test_kv_scales_are_collected_and_static_activation_scales_dropped(tiny_checkpoint, tmp_path):
+def test_checkpoint_kv_scales_reach_an_fp8_cache_and_static_activation_scales_are_dropped(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("llama")
     write_fp8_checkpoint(path, tmp_path / "ct", "ct-tensor", kv_scales=0.5, static_activations=True)
     llm = LLM(str(tmp_path / "ct"), device="cpu", dtype="float32")
     assert llm.engine.runner.model.kv_cache_scales == {0: {"k": 0.5, "v": 0.5}, 1: {"k": 1.0, "v": 1.0}}
+    assert [(a.k_scale, a.v_scale) for a in llm.engine.runner.attention_layers] == [(1.0, 1.0)] * 2  # not fp8 KV
+    llm = LLM(str(tmp_path / "ct"), device="cpu", dtype="float32", kv_cache_dtype="fp8")
+    assert [(a.k_scale, a.v_scale) for a in llm.engine.runner.attention_layers] == [(0.5, 0.5), (1.0, 1.0)]
+    llm = LLM(str(tmp_path / "ct"), device="cpu", dtype="float32", kv_cache_dtype="fp8", kv_cache_scale=0.25)
+    assert [(a.k_scale, a.v_scale) for a in llm.engine.runner.attention_layers] == [(0.25, 0.25)] * 2
 
 
 def _with_quantization_config(src, dst, qc):
