@@ -112,7 +112,8 @@ def test_torch_backend_stores_the_same_fp8_bits_and_reads_them_back():
                                           v_scale=V_SCALE)
     want = paged_attention_reference(step.query.float(), dequantize_fp8(torch_k, K_SCALE),
                                      dequantize_fp8(torch_v, V_SCALE), step.meta, step.scale)
-    torch.testing.assert_close(got.float(), want, rtol=0, atol=0)
+    exact = step.query.dtype == torch.float32  # on a GPU the backend computes in bf16, the reference in fp32
+    torch.testing.assert_close(got.float(), want, rtol=0 if exact else 2e-2, atol=0 if exact else 2e-2)
     unit = TorchAttentionBackend().forward(step.query, torch_k, torch_v, step.meta, step.scale)
     assert rel_err(unit.float(), want) > 0.1, "the scales must reach the reference"
 

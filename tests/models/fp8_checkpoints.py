@@ -36,6 +36,15 @@ def _quantize(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tenso
     return q.reshape(n, k), scale, (q.float() * scale[:, None, :, None]).reshape(n, k)
 
 
+def bf16_rounded_copy(src: Path, dst: Path) -> Path:
+    """`src` with every tensor rounded to bf16 (stored in its own dtype): what a bf16 engine loads
+    is then exactly what the fp8 writer quantizes."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = {name: t.to(torch.bfloat16).to(t.dtype) for name, t in load_file(src / "model.safetensors").items()}
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
 def write_fp8_checkpoint(src: Path, dst: Path, fmt: str, kv_scales: float | None = None,
                          static_activations: bool = False) -> dict[str, torch.Tensor]:
     """Copy checkpoint `src` to `dst` with its linear layers in fp8 format `fmt` (FORMATS);

@@ -1,6 +1,7 @@
 """FP8 weights on a CUDA device (Ada/Hopper), against the same model in bf16: greedy agreement on
 32 prompts x 64 tokens and the first token's log-probabilities (reported to $GPU_REPORT when set),
-and a checkpoint we write per channel loads to the same tokens as quantizing at load.
+and a checkpoint we write per channel loads to the same tokens as quantizing the same bf16
+weights at load.
 Skipped without a GPU of compute capability 8.9+ (run on the GPU host)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from roseray import LLM, SamplingParams
-from tests.models.fp8_checkpoints import write_fp8_checkpoint
+from tests.models.fp8_checkpoints import bf16_rounded_copy, write_fp8_checkpoint
 from tests.models.gpu_helpers import generate_and_free, greedy_report
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -51,6 +52,9 @@ def test_fp8_weights_agree_with_bf16(kind, tiny_checkpoint, tmp_path):
     assert report["first_token_logprob_max_abs_err"] < 0.3, report
     assert report["greedy_agreement"] > 0.3, report
 
-    write_fp8_checkpoint(path, tmp_path / "ct", "ct-channel")
+    # a checkpoint we write per channel = quantizing at load, given the same (bf16) weights
+    rounded = bf16_rounded_copy(path, tmp_path / "bf16")
+    write_fp8_checkpoint(rounded, tmp_path / "ct", "ct-channel")
     loaded = run(tmp_path / "ct", batch)
-    assert [o.token_ids for o in loaded] == [o.token_ids for o in fp8]
+    dynamic = run(rounded, batch, quantization="fp8")
+    assert [o.token_ids for o in loaded] == [o.token_ids for o in dynamic]
