@@ -97,7 +97,8 @@ class Fp8Linear(nn.Module):
             start, size = start // self.block_size[0], -(-size // self.block_size[0])
         return param.narrow(0, start, size)
 
-    def adapt_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    def adapt_checkpoint_tensor(self, leaf: str, shard: Hashable, tensor: torch.Tensor,
+                                shape: torch.Size) -> torch.Tensor:
         """A per-tensor scale fills its rows; a [rows, 1] per-channel scale is a vector."""
         if leaf == "weight_scale" and len(shape) == 1:
             if tensor.numel() == 1:

@@ -52,9 +52,11 @@ def load_weight_entries(model: nn.Module, entries: Iterable[WeightEntry]) -> Non
         if entry.shard is not None:
             dest = owner.shard(dest, entry.shard)
         tensor = entry.tensor
-        adapt = getattr(owner, "adapt_checkpoint_tensor", None)  # e.g. a per-tensor fp8 scale filling its rows
+        # a module that keeps part of a checkpoint tensor (a tensor-parallel shard) or reshapes it
+        # (a per-tensor fp8 scale filling its rows): adapt_checkpoint_tensor(leaf, shard, tensor, shape)
+        adapt = getattr(owner, "adapt_checkpoint_tensor", None)
         if adapt is not None:
-            tensor = adapt(entry.param_name.rpartition(".")[2], tensor, dest.shape)
+            tensor = adapt(entry.param_name.rpartition(".")[2], entry.shard, tensor, dest.shape)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"weight {entry.checkpoint_name!r} has shape {tuple(tensor.shape)}, "

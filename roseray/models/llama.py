@@ -20,11 +20,20 @@ import torch
 from torch import nn
 
 from roseray.config import ModelConfig
+from roseray.distributed import all_reduce, tensor_parallel
 from roseray.layers.activation import GatedActivation
 from roseray.layers.attention import Attention
-from roseray.layers.linear import MergedLinear, WeightEntry, load_weight_entries
+from roseray.layers.linear import WeightEntry, load_weight_entries
 from roseray.layers.norms import RMSNorm
 from roseray.layers.rotary import RotaryEmbedding
+from roseray.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    kv_head_part,
+    split_part,
+)
 from roseray.layers.vocab import vocab_logits, vocab_parameter
 from roseray.models.hf_fields import decoder_geometry, layer_types, rope
 
@@ -43,22 +52,21 @@ _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cach
 class LlamaAttention(nn.Module):
     """q|k|v projection, optional per-head q/k RMSNorm, RoPE, paged attention (the layer's
     window, the model's logit softcap and sinks), output projection. `scale` defaults to
-    head_dim ** -0.5."""
+    head_dim ** -0.5. Under tensor parallelism a rank holds its share of the heads (roseray.
+    layers.tensor_parallel) and the output projection's partial sums are all-reduced."""
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int,
                  scale: float | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        tp = tensor_parallel()
+        self.head_dim = config.head_dim
+        q_part = split_part(config.num_attention_heads * self.head_dim, tp, "attention heads")
+        kv_part = kv_head_part(config.num_key_value_heads, self.head_dim, tp)
+        self.q_size, self.kv_size = q_part.local, kv_part.local
+        self.num_heads, self.num_kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_part, kv_part, kv_part], bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(q_part.full, config.hidden_size, tp, bias=config.o_proj_bias,
+                                        what="attention heads")
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by every layer (of its kind)
@@ -74,18 +82,21 @@ class LlamaAttention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         q, k = self.rotary_emb.rotate_qk(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
-        return self.o_proj(out)
+        return all_reduce(self.o_proj(out))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        tp = tensor_parallel()
+        part = split_part(config.intermediate_size, tp, "intermediate size")
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=False)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, tp, bias=False,
+                                           what="intermediate size")
         self.act = GatedActivation(config.hidden_act)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+        return all_reduce(self.down_proj(self.act(self.gate_up_proj(hidden))))
 
 
 # (config, layer index) -> that decoder layer's MLP: [num_tokens, hidden] -> [num_tokens, hidden]
@@ -120,8 +131,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, make_mlp: MLPFactory) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=vocab_parameter(config.vocab_size, config.hidden_size))
+        tp = tensor_parallel()
+        if tp.size > 1:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                             _weight=vocab_parameter(config.vocab_size, config.hidden_size))
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -143,6 +158,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = model_config
         self.model = self.make_model(model_config)
+        tp = tensor_parallel()
+        if tp.size > 1:  # this rank's vocabulary rows; logits gathered in compute_logits
+            self.lm_head = VocabParallelLMHead(model_config.vocab_size, model_config.hidden_size, tp)
+            if model_config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+            return
         self.lm_head = nn.Linear(model_config.hidden_size, model_config.vocab_size, bias=False, device="meta")
         if model_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -166,7 +187,10 @@ class LlamaForCausalLM(nn.Module):
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 (a view of padded logits
         when the vocabulary is not a multiple of 64: see roseray.layers.vocab), softcapped
         (cap * tanh(logits / cap)) when the model says so (Gemma 2)."""
-        logits = vocab_logits(hidden, self.lm_head.weight).float()
+        if isinstance(self.lm_head, VocabParallelLMHead):
+            logits = self.lm_head.logits(hidden).float()
+        else:
+            logits = vocab_logits(hidden, self.lm_head.weight).float()
         cap = self.config.final_logit_softcap
         if cap is not None:  # in place: the fp32 logits are this call's own tensor
             logits = logits.div_(cap).tanh_().mul_(cap)

@@ -21,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from roseray.config import ModelConfig
+from roseray.distributed import tensor_parallel
 from roseray.layers.activation import get_activation
 from roseray.layers.norms import RMSNorm
 from roseray.models import fp8_checkpoint
@@ -155,9 +156,10 @@ def load_model(
     (fp8_checkpoint.py). The model's `kv_cache_scales` holds the checkpoint's K/V scales
     ({layer: {"k": s, "v": s}}, empty without). Returned in eval mode."""
     device = torch.device(device)
+    scheme = fp8_checkpoint.checkpoint_fp8_scheme(model_config.hf_config)
+    check_tensor_parallel(model_config, scheme is not None and load_format != "dummy")
     model = build_model(model_config, device, dtype)
     path = resolve_model_path(model_path_or_preset)
-    scheme = fp8_checkpoint.checkpoint_fp8_scheme(model_config.hf_config)
     if scheme is not None or quantization == "fp8":
         fp8_checkpoint.check_fp8_device(device)
     model.kv_cache_scales = {}
@@ -181,6 +183,22 @@ def load_model(
         if quantization == "fp8":
             _log_fp8("the checkpoint, quantized at load", fp8_checkpoint.quantize_linears(model), model_config)
     return model.eval()
+
+
+# model families whose layers shard across a tensor-parallel group (roseray.layers.tensor_parallel)
+TENSOR_PARALLEL_FAMILIES = ("llama",)
+
+
+def check_tensor_parallel(model_config: ModelConfig, fp8_checkpoint_weights: bool) -> None:
+    size = tensor_parallel().size
+    if size == 1:
+        return
+    if model_config.architecture not in TENSOR_PARALLEL_FAMILIES:
+        raise ValueError(f"tensor_parallel_size {size}: {model_config.hf_architecture} does not shard yet; tensor "
+                         "parallelism runs the dense Llama family (Llama, Qwen2, Qwen3, Mistral)")
+    if fp8_checkpoint_weights:
+        raise ValueError(f"tensor_parallel_size {size} with an fp8 checkpoint is unsupported; load the bf16 "
+                         "checkpoint with quantization: fp8 (each rank quantizes its shard)")
 
 
 def _log_fp8(source: str, count: int, model_config: ModelConfig) -> None:

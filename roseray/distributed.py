@@ -1,0 +1,74 @@
+"""The tensor-parallel group this process belongs to, and its two collectives.
+
+An engine replica of `tensor_parallel_size` N runs N processes, one per GPU (rank 0 the engine,
+the others its workers); each holds 1/N of every sharded layer (roseray.layers.tensor_parallel)
+and they meet in an all-reduce after each row-parallel projection and an all-gather of the
+vocabulary-parallel logits. torch.distributed carries them: NCCL on GPUs, gloo on CPU.
+
+A process that never joins a group is rank 0 of 1: the collectives are no-ops and the layers
+are whole, so single-GPU code pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # the torch.distributed process group (None: the default group)
+
+    def split(self, total: int, what: str) -> int:
+        """This rank's share of `total` (heads, rows, columns), which N must divide."""
+        if total % self.size:
+            raise ValueError(f"tensor_parallel_size {self.size} does not divide the model's {what} ({total})")
+        return total // self.size
+
+
+_CURRENT = TensorParallel()
+
+
+def tensor_parallel() -> TensorParallel:
+    return _CURRENT
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str | None = None) -> TensorParallel:
+    """Join the group of `size` processes (every rank calls this with the same init_method, e.g.
+    tcp://127.0.0.1:PORT or file:///path); backend: nccl on CUDA, gloo on CPU by default."""
+    global _CURRENT
+    if size > 1:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+    _CURRENT = TensorParallel(rank, size, dist.group.WORLD if size > 1 else None)
+    return _CURRENT
+
+
+def shutdown_tensor_parallel() -> None:
+    global _CURRENT
+    if _CURRENT.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _CURRENT = TensorParallel()
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks, in place (a row-parallel projection's partial products)."""
+    tp = _CURRENT
+    if tp.size > 1:
+        dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's x concatenated along the last dimension, in rank order (the logits)."""
+    tp = _CURRENT
+    if tp.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,117 @@
+"""Tensor parallelism on CPU: two processes joined over gloo load a tiny Llama-family checkpoint
+through roseray's loader, each keeping its shard, and their forward gives the logits of the
+whole model in one process (fp32; the all-reduce only reorders sums)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from roseray.distributed import TensorParallel, init_tensor_parallel, shutdown_tensor_parallel, tensor_parallel
+from roseray.layers.attention import AttentionMetadata, TorchAttentionBackend, attention_metadata, set_attention_backend
+from roseray.layers.tensor_parallel import kv_head_part
+from roseray.models.loader import load_model, load_model_config
+from tests.models.hf_models import make_tiny_model
+
+SIZE = 2
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 200) for _ in range(rng.randint(3, 20))] for _ in range(3)]
+
+
+def prefill_logits(path, batch, **load_args) -> torch.Tensor:
+    """The last position's logits of each prompt, from a cache-less forward of the batch."""
+    set_attention_backend(TorchAttentionBackend())
+    model = load_model(load_model_config(str(path)), str(path), "cpu", torch.float32, **load_args)
+    lens = [len(p) for p in batch]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int32), query_start_loc=torch.tensor(starts).int(),
+        seq_lens=torch.tensor(lens).int(), block_tables=torch.zeros((len(batch), 1), dtype=torch.int32),
+        max_query_len=max(lens), max_seq_len=max(lens), num_seqs=len(batch), block_size=16)
+    ids = torch.tensor([t for p in batch for t in p])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.no_grad(), attention_metadata(meta):
+        hidden = model(ids, positions)
+        return model.compute_logits(hidden[torch.tensor(starts[1:]) - 1])
+
+
+def _rank(rank: int, init: str, path: str, out: str, load_args: dict) -> None:
+    init_tensor_parallel(rank, SIZE, init, "gloo")
+    try:
+        logits = prefill_logits(path, prompts(), **load_args)
+        torch.save(logits, f"{out}.{rank}")
+    finally:
+        shutdown_tensor_parallel()
+
+
+def tensor_parallel_logits(path, tmp_path, **load_args) -> list[torch.Tensor]:
+    init = f"file://{tmp_path / 'rendezvous'}"
+    out = tmp_path / "logits"
+    mp.spawn(_rank, args=(init, str(path), str(out), load_args), nprocs=SIZE, join=True)
+    return [torch.load(f"{out}.{rank}") for rank in range(SIZE)]
+
+
+@pytest.mark.parametrize("kind,overrides", [
+    ("llama", {}),  # GQA: one of the two KV heads per rank, untied lm_head
+    ("qwen2", {}),  # q/k/v biases, tied embeddings
+    ("qwen3", {}),  # q/k norms, head_dim 32
+    ("llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: the head is replicated
+])
+def test_two_ranks_give_the_whole_models_logits(kind, overrides, tmp_path):
+    path = make_tiny_model(kind, tmp_path / kind, **overrides)
+    want = prefill_logits(path, prompts())
+    got = tensor_parallel_logits(path, tmp_path)
+    for logits in got:  # every rank has all of the vocabulary's logits
+        assert logits.shape == want.shape
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(logits.argmax(-1), want.argmax(-1))
+
+
+def test_fp8_quantization_at_load_shards_too(tmp_path):
+    path = make_tiny_model("llama", tmp_path / "llama")
+    want = prefill_logits(path, prompts(), quantization="fp8")
+    for logits in tensor_parallel_logits(path, tmp_path, quantization="fp8"):
+        # per-channel scales are per output row, so column shards quantize alike; row shards differ a little
+        assert float((logits - want).norm() / want.norm()) < 0.02
+
+
+def test_kv_heads_split_or_replicate():
+    assert kv_head_part(8, 128, TensorParallel(1, 2)).start == 4 * 128
+    replicated = [kv_head_part(2, 64, TensorParallel(r, 4)) for r in range(4)]
+    assert [p.start for p in replicated] == [0, 0, 64, 64] and {p.local for p in replicated} == {64}
+    with pytest.raises(ValueError, match="not a multiple of the model's 3 KV heads"):
+        kv_head_part(3, 64, TensorParallel(0, 4))
+    with pytest.raises(ValueError, match="does not divide the model's attention heads"):
+        TensorParallel(0, 3).split(4 * 64, "attention heads")
+
+
+def _refusing_rank(rank: int, init: str, path: str, out: str, load_args: dict) -> None:
+    init_tensor_parallel(rank, SIZE, init, "gloo")
+    try:
+        load_model(load_model_config(path), path, "cpu", torch.float32)
+    except ValueError as exc:
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(str(exc))
+    finally:
+        shutdown_tensor_parallel()
+
+
+def test_models_that_do_not_shard_are_refused_in_one_line(tmp_path):
+    path = make_tiny_model("qwen3_moe", tmp_path / "moe")
+    out = tmp_path / "error"
+    mp.spawn(_refusing_rank, args=(f"file://{tmp_path / 'rendezvous'}", str(path), str(out), {}), nprocs=SIZE)
+    for rank in range(SIZE):
+        assert (tmp_path / f"error.{rank}").read_text().startswith(
+            "tensor_parallel_size 2: Qwen3MoeForCausalLM does not shard yet")
+
+
+def test_a_process_outside_any_group_is_rank_0_of_1():
+    assert tensor_parallel() == TensorParallel(0, 1, None)
