@@ -82,6 +82,8 @@ class EngineConfig:
     # fp8 KV: the scale of every layer's K and V (stored value = value / scale); None: the
     # checkpoint's k_scale / v_scale where it has them, else 1.0
     kv_cache_scale: float | None = None
+    # one engine replica across this many GPUs (ranks 1.. are worker processes; the Llama family shards)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -89,6 +91,8 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1; got {self.tensor_parallel_size}")
         if self.kv_cache_scale is not None and not self.kv_cache_scale > 0:
             raise ValueError(f"kv_cache_scale must be > 0; got {self.kv_cache_scale}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

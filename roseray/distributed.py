@@ -72,3 +72,22 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous(), group=tp.group)
     return torch.cat(parts, dim=-1)
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest of every rank's `value` (e.g. the KV blocks each rank's memory allows)."""
+    tp = _CURRENT
+    if tp.size == 1:
+        return value
+    device = "cuda" if dist.get_backend(tp.group) == "nccl" else "cpu"
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(tensor.item())
+
+
+def broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x into every rank's x, in place."""
+    tp = _CURRENT
+    if tp.size > 1:
+        dist.broadcast(x, src=0, group=tp.group)
+    return x

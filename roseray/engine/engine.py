@@ -24,8 +24,9 @@ from roseray.engine.sampler import PendingSample, Sampler
 from roseray.engine.scheduler import Scheduler, SchedulerOutput
 from roseray.engine.structured_output import check_structured_outputs
 from roseray.engine.structured_requests import StructuredOutputManager
+from roseray.engine.tensor_parallel_workers import TensorParallelWorkers
 from roseray.layers.kv_fp8 import kv_cache_dtype_name
-from roseray.models.loader import load_model, load_model_config
+from roseray.models.loader import load_model, load_model_config, resolve_max_model_len
 from roseray.sampling_params import SamplingParams
 from roseray.tokenizer import load_tokenizer
 
@@ -56,13 +57,17 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.model_config = load_model_config(config.model, revision=config.revision, load_format=config.load_format)
         self.dtype = config.resolve_dtype(self.model_config.torch_dtype, self.device)
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = resolve_max_model_len(self.model_config, config)
         self.model_name = config.model
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_config)
         self.detokenization = prepare_detokenization(self.tokenizer)  # now, not in the first request's step
+        # tensor parallelism: the workers start now and load their shards beside this rank's
+        self.tp_workers = TensorParallelWorkers(config) if config.tensor_parallel_size > 1 else None
         model = load_model(self.model_config, config.model, self.device, self.dtype, seed=config.seed,
                            load_format=config.load_format, quantization=config.quantization)
         self.runner = ModelRunner(config, self.model_config, model, self.device, self.dtype, self.max_model_len)
+        if self.tp_workers is not None:
+            self.tp_workers.attach(self.runner)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.max_num_seqs,
                                           self.runner.max_blocks_per_seq, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -93,15 +98,6 @@ class LLMEngine:
         self.step_seconds_total = 0.0  # inside step()
         self.output_seconds_total = 0.0  # added by whoever sends the deltas on (the engine process's loop)
         self._log_startup(time.perf_counter() - started)
-
-    def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        if self.config.max_model_len is None:
-            return limit
-        if self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={limit}")
-        return self.config.max_model_len
 
     def _log_startup(self, seconds: float) -> None:
         capacity = self.runner.num_blocks * self.config.block_size

@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 import torch
 
-from roseray.config import ModelConfig
 from roseray.layers.attention import set_kv_scales
 from roseray.layers.kv_fp8 import FP8_KV_DTYPE, kv_cache_dtype_name, kv_cache_torch_dtype
 
@@ -53,10 +52,11 @@ def set_kv_cache_scales(attention_layers: list, checkpoint_scales: dict[int, dic
                        kv_cache_dtype_name(cache_dtype))
 
 
-def kv_bytes_per_block(model_config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
-    """Bytes of one block across all layers, K and V, in the cache dtype `dtype`."""
-    mc = model_config
-    return 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * dtype.itemsize * block_size
+def kv_bytes_per_block(attention_layers: list, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes of one block across all layers, K and V, in the cache dtype `dtype` (the layers'
+    own KV heads: under tensor parallelism, this rank's share)."""
+    layer = attention_layers[0]
+    return 2 * len(attention_layers) * layer.num_kv_heads * layer.head_dim * dtype.itemsize * block_size
 
 
 def profile_gpu_blocks(device: torch.device, gpu_memory_utilization: float, bytes_per_block: int,
@@ -86,11 +86,11 @@ def profile_gpu_blocks(device: torch.device, gpu_memory_utilization: float, byte
     return num_blocks
 
 
-def allocate_kv_cache(attention_layers: list, num_blocks: int, block_size: int, model_config: ModelConfig,
-                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def allocate_kv_cache(attention_layers: list, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
     """The cache tensor; each attention layer gets its k_cache and v_cache views."""
-    mc = model_config
-    shape = (2, len(attention_layers), num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
+    layer = attention_layers[0]
+    shape = (2, len(attention_layers), num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
     kv_cache = torch.zeros(shape, dtype=dtype, device=device)
     for i, layer in enumerate(attention_layers):
         layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]

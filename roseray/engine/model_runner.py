@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from roseray.config import EngineConfig, ModelConfig
+from roseray.distributed import all_reduce_min
 from roseray.engine.block_manager import BlockManager
 from roseray.engine.kv_cache import (
     allocate_kv_cache,
@@ -38,6 +39,16 @@ from roseray.engine.kv_cache import (
 )
 from roseray.engine.piecewise_graphs import PiecewiseGraphs
 from roseray.engine.scheduler import SchedulerOutput
+from roseray.engine.step_inputs import (
+    ALIGN,
+    DECODE,
+    PREFILL,
+    DecodeLayout,
+    StepInputs,
+    StepPlan,
+    cuda_graph_buckets,
+    fill_in_flight,
+)
 from roseray.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -47,7 +58,6 @@ from roseray.layers.attention import (
 )
 
 logger = logging.getLogger(__name__)
-ALIGN = 16  # int32 elements: staging-buffer regions start 64-byte aligned
 
 
 def make_attention_backend(name: str, device: torch.device):
@@ -58,42 +68,6 @@ def make_attention_backend(name: str, device: torch.device):
     from roseray.layers.triton_backend import TritonAttentionBackend  # Triton is optional on CPU
 
     return TritonAttentionBackend()
-
-
-def cuda_graph_buckets(max_batch: int) -> list[int]:
-    buckets = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
-    return sorted({b for b in buckets if b <= max_batch} | {max_batch})
-
-
-def _fill_in_flight(ids: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, tokens: torch.Tensor) -> None:
-    """ids[dst] = tokens[src] on the device: a step's placeholders for tokens that the step
-    still in flight samples (dst, src: int32 positions from the staging buffer)."""
-    ids.index_copy_(0, dst.long(), tokens.index_select(0, src.long()).to(ids.dtype))
-
-
-class DecodeLayout:
-    """Where a decode step's inputs sit in the staging buffer: int32 regions of `stride`
-    entries each (ids, positions, slots, lengths, in-flight source rows), then the block
-    tables, [batch, num_block_cols]. Fixed, so captured graphs read them in place."""
-
-    __slots__ = ("stride", "ids", "pos", "slot", "lens", "src", "tables")
-
-    def __init__(self, max_num_seqs: int) -> None:
-        self.stride = -(-max_num_seqs // ALIGN) * ALIGN
-        self.ids, self.pos, self.slot, self.lens, self.src, self.tables = (i * self.stride for i in range(6))
-
-    def pad(self, buffer, first: int, end: int) -> None:
-        """Rows first..end-1 of the per-row regions of `buffer` (numpy or torch) as padding:
-        slot -1 (nothing written to the cache), length 0, no in-flight source."""
-        for start, value in ((self.ids, 0), (self.pos, 0), (self.slot, -1), (self.lens, 0), (self.src, -1)):
-            buffer[start + first: start + end] = value
-
-
-class StepInputs:
-    """Host-side arrays of one step (views into the staging buffer) plus bookkeeping."""
-
-    __slots__ = ("num_tokens", "num_seqs", "max_query_len", "max_seq_len", "num_block_cols", "logits_indices",
-                 "sample_mask", "num_pending", "pending_offset", "logits_offset", "offsets")
 
 
 class ModelRunner:
@@ -136,9 +110,10 @@ class ModelRunner:
         self._decode_qsl = torch.arange(self.max_num_seqs + 1, dtype=torch.int32, device=device)
         self._graph_logits: dict[int, torch.Tensor] = {}  # each decode graph's logits output
 
-        self.num_blocks = self._decide_num_blocks()
-        self.kv_cache = allocate_kv_cache(self.attention_layers, self.num_blocks, self.block_size, model_config,
-                                          self.kv_cache_dtype, device)
+        self.step_channel = None  # tensor parallelism: rank 0 sends each step's plan to the other ranks
+        self.num_blocks = all_reduce_min(self._decide_num_blocks())  # every rank's cache holds the same blocks
+        self.kv_cache = allocate_kv_cache(self.attention_layers, self.num_blocks, self.block_size, self.kv_cache_dtype,
+                                          device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode-only steps, by batch size
         self.piecewise: PiecewiseGraphs | None = None  # steps with prefill chunks, by token count
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
@@ -146,7 +121,7 @@ class ModelRunner:
     # ---- KV cache ----------------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model_config, self.kv_cache_dtype, self.block_size)
+        return kv_bytes_per_block(self.attention_layers, self.kv_cache_dtype, self.block_size)
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -209,7 +184,7 @@ class ModelRunner:
         for num_rows in cuda_graph_buckets(n):
             self.model.compute_logits(rows[:num_rows]).argmax(dim=-1)
             index = torch.arange(num_rows, dtype=torch.int32, device=d)
-            _fill_in_flight(ids, index, index, tokens[:num_rows])
+            fill_in_flight(ids, index, index, tokens[:num_rows])
         torch.cuda.synchronize(d)
         logger.info("kernels warmed up in %.1f s", time.perf_counter() - started)
 
@@ -319,15 +294,6 @@ class ModelRunner:
             host[lay.tables + num_seqs * num_block_cols: end] = 0
         return end, num_block_cols, max_seq_len
 
-    def _to_device(self, step: StepInputs, used: int) -> tuple[torch.Tensor, ...]:
-        """One host-to-device copy of the staging buffer's used prefix, then views."""
-        self._copy_staging(used)
-        buf, t, s = self._device_buffer, step.num_tokens, step.num_seqs
-        o_ids, o_pos, o_slot, o_qsl, o_lens, o_tab = step.offsets
-        tables = buf[o_tab: o_tab + s * step.num_block_cols].view(s, step.num_block_cols)
-        return (buf[o_ids: o_ids + t], buf[o_pos: o_pos + t], buf[o_slot: o_slot + t], buf[o_qsl: o_qsl + s + 1],
-                buf[o_lens: o_lens + s], tables)
-
     def _copy_staging(self, used: int) -> None:
         if self.device.type == "cuda":
             self._device_buffer[:used].copy_(self._host_buffer[:used], non_blocking=True)
@@ -339,54 +305,72 @@ class ModelRunner:
         model's dtype) for the requests whose scheduled tokens reach their end, the boolean
         mask of those, and their argmax when the step computed it (decode steps), else None.
         `in_flight_tokens`: the device token ids sampled by the step still in flight. Between the
-        two the device may be given other work (a held step's sampling)."""
+        two the device may be given other work (a held step's sampling).
+        The device part runs from a StepPlan (ints) and the staging buffer: under tensor
+        parallelism `launch` first sends both to the other ranks, which run the same plan."""
         if batch.num_tokens == len(batch):
-            return self._prepare_decode_run(batch, block_manager)
-        piece_bucket = 0 if self.piecewise is None else self.piecewise.bucket_for(batch.num_tokens)
-        step, used = self.prepare(batch, block_manager)
-        ids, pos, slot, qsl, lens, tables = self._to_device(step, used)
-        meta = AttentionMetadata(slot, qsl, lens, tables, step.max_query_len, step.max_seq_len,
-                                 step.num_seqs, self.block_size)
-        start = step.logits_offset
-        indices = self._device_buffer[start: start + len(step.logits_indices)]  # part of the one staging copy
+            num_seqs = len(batch)
+            bucket = self._graph_bucket(num_seqs)
+            used, num_block_cols, max_seq_len = self.prepare_decode(batch, block_manager, bucket or num_seqs)
+            plan = (DECODE, used, bucket, bucket or num_seqs, num_block_cols, max_seq_len, num_seqs)
+            sample_mask = self._all_rows[:num_seqs]
+        else:
+            piece_bucket = 0 if self.piecewise is None else self.piecewise.bucket_for(batch.num_tokens)
+            step, used = self.prepare(batch, block_manager)
+            plan = (PREFILL, used, piece_bucket, step.num_tokens, step.num_seqs, step.max_query_len,
+                    step.max_seq_len, step.num_block_cols, step.num_pending, step.pending_offset,
+                    step.logits_offset, len(step.logits_indices), *step.offsets)
+            sample_mask = step.sample_mask
+        self._copy_staging(used)
 
         @torch.inference_mode()
-        def launch(in_flight_tokens: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, None]:
-            if step.num_pending:
-                n, first = step.num_pending, step.pending_offset
-                buf = self._device_buffer
-                _fill_in_flight(ids, buf[first: first + n], buf[first + n: first + 2 * n], in_flight_tokens)
-            if piece_bucket:
-                hidden = self.piecewise.run(piece_bucket, ids, pos, slot, meta)
-            else:
-                with attention_metadata(meta):
-                    hidden = self.model(ids, pos)
-            return self.model.compute_logits(hidden[indices.long()]), step.sample_mask, None
+        def launch(in_flight_tokens: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, torch.Tensor | None]:
+            if self.step_channel is not None:
+                self.step_channel.send(plan, self._device_buffer, in_flight_tokens, self.decode_tokens)
+            logits, tokens = self.run_plan(plan, in_flight_tokens)
+            return logits, sample_mask, tokens
 
         return launch
 
-    def _prepare_decode_run(self, batch: SchedulerOutput, block_manager: BlockManager) -> Callable[..., tuple]:
-        num_seqs = len(batch)
-        bucket = self._graph_bucket(num_seqs)
-        num_rows = bucket or num_seqs
-        used, num_block_cols, max_seq_len = self.prepare_decode(batch, block_manager, num_rows)
-        self._copy_staging(used)
+    def run_plan(self, plan: StepPlan, in_flight_tokens: torch.Tensor | None):
+        """The device part of a step from its plan and the staging buffer already on the device:
+        (logits of the rows that sample, their argmax for decode steps, else None)."""
+        if plan[0] == DECODE:
+            return self._run_decode(plan, in_flight_tokens)
+        return self._run_prefill(plan, in_flight_tokens), None
+
+    def _run_prefill(self, plan: StepPlan, in_flight_tokens: torch.Tensor | None) -> torch.Tensor:
+        (_, _, piece_bucket, t, s, max_query_len, max_seq_len, num_block_cols, num_pending, pending_offset,
+         logits_offset, num_logits, o_ids, o_pos, o_slot, o_qsl, o_lens, o_tab) = plan
+        buf = self._device_buffer
+        ids, pos, slot = buf[o_ids: o_ids + t], buf[o_pos: o_pos + t], buf[o_slot: o_slot + t]
+        tables = buf[o_tab: o_tab + s * num_block_cols].view(s, num_block_cols)
+        meta = AttentionMetadata(slot, buf[o_qsl: o_qsl + s + 1], buf[o_lens: o_lens + s], tables, max_query_len,
+                                 max_seq_len, s, self.block_size)
+        indices = buf[logits_offset: logits_offset + num_logits]  # part of the one staging copy
+        if num_pending:
+            n, first = num_pending, pending_offset
+            fill_in_flight(ids, buf[first: first + n], buf[first + n: first + 2 * n], in_flight_tokens)
+        if piece_bucket:
+            hidden = self.piecewise.run(piece_bucket, ids, pos, slot, meta)
+        else:
+            with attention_metadata(meta):
+                hidden = self.model(ids, pos)
+        return self.model.compute_logits(hidden[indices.long()])
+
+    def _run_decode(self, plan: StepPlan, in_flight_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        _, _, bucket, num_rows, num_block_cols, max_seq_len, num_seqs = plan
         start = self.decode_layout.tables
         tables = self._device_buffer[start: start + num_rows * num_block_cols].view(num_rows, num_block_cols)
-
-        @torch.inference_mode()
-        def launch(in_flight_tokens: torch.Tensor | None) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
-            if in_flight_tokens is not None and in_flight_tokens.data_ptr() != self.decode_tokens.data_ptr():
-                self.decode_tokens[: in_flight_tokens.shape[0]].copy_(in_flight_tokens)  # sampled by another path
-            if bucket:
-                self._g_tables[:bucket, :num_block_cols].copy_(tables)
-                self.graphs[bucket].replay()
-                logits = self._graph_logits[bucket]
-            else:
-                logits = self._decode_forward(num_rows, tables, max_seq_len)
-            return logits[:num_seqs], self._all_rows[:num_seqs], self.decode_tokens[:num_seqs]
-
-        return launch
+        if in_flight_tokens is not None and in_flight_tokens.data_ptr() != self.decode_tokens.data_ptr():
+            self.decode_tokens[: in_flight_tokens.shape[0]].copy_(in_flight_tokens)  # sampled by another path
+        if bucket:
+            self._g_tables[:bucket, :num_block_cols].copy_(tables)
+            self.graphs[bucket].replay()
+            logits = self._graph_logits[bucket]
+        else:
+            logits = self._decode_forward(num_rows, tables, max_seq_len)
+        return logits[:num_seqs], self.decode_tokens[:num_seqs]
 
     def _decode_forward(self, num_rows: int, tables: torch.Tensor, max_seq_len: int) -> torch.Tensor:
         """The forward of a decode step from the DecodeLayout (what a decode graph holds): fill
@@ -438,5 +422,5 @@ class ModelRunner:
         if max_tokens > 0:
             mc = self.model_config
             self.piecewise = PiecewiseGraphs(self.model, self.backend, max_tokens, self.block_size,
-                                             mc.num_attention_heads, mc.head_dim, self.dtype, self.device)
+                                             self.attention_layers[0].num_heads, mc.head_dim, self.dtype, self.device)
             self.piecewise.capture()

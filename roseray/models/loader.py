@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from roseray.config import ModelConfig
+from roseray.config import EngineConfig, ModelConfig
 from roseray.distributed import tensor_parallel
 from roseray.layers.activation import get_activation
 from roseray.layers.norms import RMSNorm
@@ -102,6 +102,16 @@ def load_model_config(model: str, revision: str | None = None, load_format: str 
     if load_format != "dummy":
         safetensors_files(path)  # fail now, not after building the model
     return model_config
+
+
+def resolve_max_model_len(model_config: ModelConfig, config: EngineConfig) -> int:
+    """EngineConfig.max_model_len, or the model's max positions; past them is an error."""
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
+    return config.max_model_len
 
 
 def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:

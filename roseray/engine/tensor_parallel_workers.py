@@ -1,0 +1,142 @@
+"""Tensor-parallel engine replicas: the engine is rank 0, and N - 1 worker processes are the others.
+
+Rank 0 runs everything of an engine (scheduler, block manager, sampler, detokenizer) once. Each
+step its ModelRunner fills the staging buffer as usual, then `StepChannel.send` broadcasts the
+step's plan (a few ints), the used part of the staging buffer and, when the step fills in tokens
+sampled by another path, those tokens; every rank then runs the same plan on its shard of the
+model (roseray.layers.tensor_parallel), meeting in the layers' all-reduces and the logits'
+all-gather. Workers never schedule, sample or detokenize: the host cost per step is one header
+broadcast and one buffer broadcast, whatever N.
+
+A worker builds what rank 0 builds, in the same order, because every collective must be met
+by every rank: the model shard, the runner (the KV-cache profile forward; the block count
+agreed as the smallest any rank allows), the warm-up forwards, the sampler's warm-up logits
+and the CUDA graphs. Then it loops on StepChannel.recv until rank 0 sends STOP (at engine exit).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import weakref
+
+import torch
+
+from roseray.config import EngineConfig
+from roseray.distributed import broadcast, init_tensor_parallel, shutdown_tensor_parallel
+from roseray.engine.model_runner import ModelRunner
+from roseray.engine.step_inputs import PLAN_LENGTHS, STOP, StepPlan
+from roseray.models.loader import load_model, load_model_config, resolve_max_model_len
+
+logger = logging.getLogger(__name__)
+
+HEADER = 24  # int64 slots: the plan (at most 18), then the in-flight mode and length
+NO_TOKENS, OWN_DECODE_TOKENS, SENT_TOKENS = 0, 1, 2  # what a step's in-flight tokens are on the workers
+JOIN_TIMEOUT_S = 30.0
+
+
+class StepChannel:
+    """Rank 0 -> the other ranks: each step's plan, staging buffer and in-flight tokens."""
+
+    def __init__(self, device: torch.device, max_num_seqs: int) -> None:
+        self.header = torch.zeros(HEADER, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)  # a worker's receive buffer
+
+    def send(self, plan: StepPlan, buffer: torch.Tensor, in_flight: torch.Tensor | None,
+             decode_tokens: torch.Tensor) -> None:
+        if in_flight is None:
+            mode, count = NO_TOKENS, 0
+        elif in_flight.data_ptr() == decode_tokens.data_ptr():  # every rank computed the same argmax
+            mode, count = OWN_DECODE_TOKENS, 0
+        else:
+            mode, count = SENT_TOKENS, in_flight.shape[0]
+        values = [*plan, *[0] * (HEADER - 2 - len(plan)), mode, count]
+        self.header.copy_(torch.tensor(values, dtype=torch.int64), non_blocking=True)
+        broadcast(self.header)
+        if plan[0] != STOP:
+            broadcast(buffer[: plan[1]])
+        if mode == SENT_TOKENS:
+            broadcast(in_flight.to(torch.int64).contiguous())
+
+    def recv(self, buffer: torch.Tensor, decode_tokens: torch.Tensor) -> tuple[StepPlan, torch.Tensor | None]:
+        broadcast(self.header)
+        values = self.header.tolist()
+        plan = tuple(values[: PLAN_LENGTHS[values[0]]])
+        mode, count = values[HEADER - 2:]
+        if plan[0] != STOP:
+            broadcast(buffer[: plan[1]])
+        if mode == SENT_TOKENS:
+            return plan, broadcast(self.tokens[:count])
+        return plan, decode_tokens if mode == OWN_DECODE_TOKENS else None
+
+
+class TensorParallelWorkers:
+    """Rank 0's side: starts the workers, joins the group, sends STOP when the engine goes."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.size = config.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = mp.get_context("spawn")
+        self.processes = [context.Process(target=worker_main, args=(rank, self.size, init_method, config),
+                                          name=f"roseray-tp-rank{rank}", daemon=True)
+                          for rank in range(1, self.size)]
+        for process in self.processes:
+            process.start()
+        init_tensor_parallel(0, self.size, init_method)
+        self.channel: StepChannel | None = None
+        logger.info("tensor parallel: %d ranks (rank 0 here, workers pids %s)", self.size,
+                    [p.pid for p in self.processes])
+
+    def attach(self, runner: ModelRunner) -> None:
+        """Give rank 0's runner the channel its steps go out on; stop the workers with the runner."""
+        self.channel = runner.step_channel = StepChannel(runner.device, runner.max_num_seqs)
+        weakref.finalize(runner, _stop, self.channel, runner._device_buffer, runner.decode_tokens, self.processes)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.processes)
+
+
+def _stop(channel: StepChannel, buffer: torch.Tensor, decode_tokens: torch.Tensor, processes: list) -> None:
+    try:
+        if all(p.is_alive() for p in processes):
+            channel.send((STOP, 0), buffer, None, decode_tokens)
+    finally:
+        for process in processes:
+            process.join(JOIN_TIMEOUT_S)
+            if process.is_alive():
+                process.terminate()
+        shutdown_tensor_parallel()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_main(rank: int, size: int, init_method: str, config: EngineConfig) -> None:
+    """A worker rank: its model shard and runner, built as rank 0 builds its own, then steps."""
+    device = config.resolve_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    init_tensor_parallel(rank, size, init_method)
+    torch.manual_seed(config.seed)
+    model_config = load_model_config(config.model, revision=config.revision, load_format=config.load_format)
+    dtype = config.resolve_dtype(model_config.torch_dtype, device)
+    model = load_model(model_config, config.model, device, dtype, seed=config.seed, load_format=config.load_format,
+                       quantization=config.quantization)
+    runner = ModelRunner(config, model_config, model, device, dtype, resolve_max_model_len(model_config, config))
+    runner.warm_up()
+    if device.type == "cuda":
+        runner.logits_for_warm_up()  # rank 0's sampler warm-up gathers these logits
+    runner.capture_cuda_graphs()
+    channel = StepChannel(device, config.max_num_seqs)
+    with torch.inference_mode():
+        while True:
+            plan, in_flight = channel.recv(runner._device_buffer, runner.decode_tokens)
+            if plan[0] == STOP:
+                break
+            runner.run_plan(plan, in_flight)
+    shutdown_tensor_parallel()

@@ -1,0 +1,77 @@
+"""The engine at tensor_parallel_size 2 on CPU (rank 0 here, one worker process over gloo): greedy
+ids equal transformers' generate under batching, chunked prefill, prefix caching and preemption;
+tokens sampled on rank 0 (a top-k-1 sampler, not the argmax path) reach the worker; the worker
+stops with the engine."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+import transformers
+
+from roseray import LLM, SamplingParams
+from tests.models.hf_models import make_tiny_model
+
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 200) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tmp_path_factory):
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def greedy(prompt):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+        return out[0, len(prompt):].tolist()
+
+    return path, greedy
+
+
+def run(path, batches, params=GREEDY, **engine_args):
+    """Each batch generated in turn by one TP=2 engine; all outputs, and the engine's stats."""
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, tensor_parallel_size=2, **engine_args)
+    got = [o.outputs[0].token_ids for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
+    llm.engine.check_integrity()
+    stats = llm.engine.get_stats()
+    workers = llm.engine.tp_workers.processes
+    assert all(p.is_alive() for p in workers)
+    del llm
+    gc.collect()  # the engine's runner goes: rank 0 sends STOP and joins its worker
+    assert not any(p.is_alive() for p in workers) and all(p.exitcode == 0 for p in workers)
+    return got, stats
+
+
+def test_batch_and_chunked_prefill_equal_transformers(tiny):
+    path, greedy = tiny
+    batch = prompts(5, 1, 30, seed=1)
+    got, _ = run(path, [batch], max_num_batched_tokens=7, max_num_seqs=4)
+    assert got == [greedy(p) for p in batch]
+
+
+def test_prefix_caching_and_preemption_equal_transformers(tiny):
+    path, greedy = tiny
+    shared = prompts(1, 13, 13, seed=3)[0]
+    batch = [shared + tail for tail in prompts(3, 1, 6, seed=4)] + prompts(3, 10, 20, seed=5)
+    got, stats = run(path, [batch[:1], batch[1:]], num_kv_blocks=16, max_num_seqs=6)
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
+    assert got == [greedy(p) for p in batch]
+
+
+def test_tokens_sampled_on_rank_0_reach_the_worker(tiny):
+    path, greedy = tiny
+    batch = prompts(4, 3, 20, seed=6)
+    top1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_NEW, ignore_eos=True, seed=0)
+    got, _ = run(path, [batch], params=top1)
+    assert got == [greedy(p) for p in batch]
