@@ -282,7 +282,7 @@ class AppArgs(BaseModel):
     # Engine replicas that follow the engines' load (ray_serve/autoscaling.py); None: a fixed num_replicas.
     # When set, num_replicas is the count Serve starts with ("auto": min_replicas).
     autoscaling: AutoscalingArgs | None = None
-    num_gpus_per_replica: float | Literal["auto"] = "auto"  # "auto": 1 when the cluster has GPUs, else 0
+    num_gpus_per_replica: float | Literal["auto"] = "auto"  # "auto": tensor_parallel_size with GPUs, else 0
     num_cpus_per_replica: float = 1.0
     # Placement on a multi-node cluster (deploy/README.md, "Replica placement"): custom resources each
     # engine replica reserves (a node offers them at `ray start --resources`), pinning replicas to the nodes
@@ -326,9 +326,18 @@ class AppArgs(BaseModel):
                             tool_call_parser=self.tool_call_parser)
 
 
-def _placement(args: AppArgs) -> tuple[int, float]:
+def _placement(args: AppArgs, tensor_parallel_size: int) -> tuple[int, float]:
+    """(replicas, GPUs per replica). A tensor-parallel replica reserves all its GPUs in its own
+    actor's resources (one node, the GPUs Ray gives the actor: rank r of the engine uses the r-th),
+    so Serve places and replaces it as one unit; "auto" is tensor_parallel_size GPUs."""
     gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
-    num_gpus = (1.0 if gpus else 0.0) if args.num_gpus_per_replica == "auto" else float(args.num_gpus_per_replica)
+    if args.num_gpus_per_replica == "auto":
+        num_gpus = float(tensor_parallel_size) if gpus else 0.0
+    else:
+        num_gpus = float(args.num_gpus_per_replica)
+        if gpus and num_gpus < tensor_parallel_size:
+            raise ValueError(f"num_gpus_per_replica={args.num_gpus_per_replica} is fewer than the engine's "
+                             f"tensor_parallel_size={tensor_parallel_size} (one GPU per rank)")
     if args.num_replicas == "auto":
         num_replicas = max(1, int(gpus // num_gpus)) if num_gpus else 1
     else:
@@ -351,7 +360,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
         raise RuntimeError(wiring.HAPROXY_REQUIRED)
     app_args = AppArgs(**(args or {}))
     engine_config = EngineConfig.from_kwargs(**app_args.engine)  # a clear error here, before any replica starts
-    num_replicas, num_gpus = _placement(app_args)
+    num_replicas, num_gpus = _placement(app_args, engine_config.tensor_parallel_size)
     api_processes = _api_processes(app_args, num_gpus, engine_config)
     if api_processes > 1:
         if engine_config.engine_process is False:
