@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-format", default=None, choices=LOAD_FORMATS,
                         help="dummy: random weights in the geometry of a directory holding config.json only")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the engine spans")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                         help="fp8: e4m3 weights with per-channel scales (quantized at load)")
     parser.add_argument("--out", default=None, help="write JSON here")
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_args["max_model_len"] = args.max_model_len
     if args.quantization:
         engine_args["quantization"] = args.quantization
+    if args.tensor_parallel_size > 1:
+        engine_args["tensor_parallel_size"] = args.tensor_parallel_size
     if args.max_num_batched_tokens:
         engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.cuda_graph_max_tokens is not None:

@@ -39,12 +39,22 @@ JOIN_TIMEOUT_S = 30.0
 class StepChannel:
     """Rank 0 -> the other ranks: each step's plan, staging buffer and in-flight tokens."""
 
-    def __init__(self, device: torch.device, max_num_seqs: int) -> None:
+    def __init__(self, device: torch.device, max_num_seqs: int, processes: list | None = None) -> None:
         self.header = torch.zeros(HEADER, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)  # a worker's receive buffer
+        self.processes = processes or []  # rank 0: the workers, checked before each step
+
+    def check_workers(self) -> None:
+        """RuntimeError naming a worker rank that exited: the step fails (its requests end with an
+        error) instead of waiting on a collective the dead rank never joins."""
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
+                                   "the engine replica must be restarted")
 
     def send(self, plan: StepPlan, buffer: torch.Tensor, in_flight: torch.Tensor | None,
              decode_tokens: torch.Tensor) -> None:
+        self.check_workers()
         if in_flight is None:
             mode, count = NO_TOKENS, 0
         elif in_flight.data_ptr() == decode_tokens.data_ptr():  # every rank computed the same argmax
@@ -85,22 +95,28 @@ class TensorParallelWorkers:
             process.start()
         init_tensor_parallel(0, self.size, init_method)
         self.channel: StepChannel | None = None
+        self._finalizer: weakref.finalize | None = None
         logger.info("tensor parallel: %d ranks (rank 0 here, workers pids %s)", self.size,
                     [p.pid for p in self.processes])
 
     def attach(self, runner: ModelRunner) -> None:
         """Give rank 0's runner the channel its steps go out on; stop the workers with the runner."""
-        self.channel = runner.step_channel = StepChannel(runner.device, runner.max_num_seqs)
-        weakref.finalize(runner, _stop, self.channel, runner._device_buffer, runner.decode_tokens, self.processes)
+        self.channel = runner.step_channel = StepChannel(runner.device, runner.max_num_seqs, self.processes)
+        self._finalizer = weakref.finalize(runner, _stop, self.channel, runner._device_buffer, runner.decode_tokens,
+                                           self.processes)
 
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self.processes)
+    def stop(self) -> None:
+        """Stop the workers and leave the group now (also at exit, or when the runner goes); once."""
+        if self._finalizer is not None:
+            self._finalizer()
 
 
 def _stop(channel: StepChannel, buffer: torch.Tensor, decode_tokens: torch.Tensor, processes: list) -> None:
     try:
         if all(p.is_alive() for p in processes):
             channel.send((STOP, 0), buffer, None, decode_tokens)
+    except RuntimeError:  # a worker went meanwhile: the others are terminated below
+        pass
     finally:
         for process in processes:
             process.join(JOIN_TIMEOUT_S)

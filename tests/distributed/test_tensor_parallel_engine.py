@@ -5,7 +5,6 @@ stops with the engine."""
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
@@ -47,8 +46,7 @@ def run(path, batches, params=GREEDY, **engine_args):
     stats = llm.engine.get_stats()
     workers = llm.engine.tp_workers.processes
     assert all(p.is_alive() for p in workers)
-    del llm
-    gc.collect()  # the engine's runner goes: rank 0 sends STOP and joins its worker
+    llm.engine.tp_workers.stop()  # rank 0 sends STOP and joins its worker (at exit, or when the runner goes)
     assert not any(p.is_alive() for p in workers) and all(p.exitcode == 0 for p in workers)
     return got, stats
 
@@ -75,3 +73,15 @@ def test_tokens_sampled_on_rank_0_reach_the_worker(tiny):
     top1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_NEW, ignore_eos=True, seed=0)
     got, _ = run(path, [batch], params=top1)
     assert got == [greedy(p) for p in batch]
+
+
+def test_a_worker_that_dies_fails_the_next_step_with_its_rank_named(tiny):
+    path, _ = tiny
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, tensor_parallel_size=2)
+    worker = llm.engine.tp_workers.processes[0]
+    worker.kill()
+    worker.join(10)
+    outputs = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert outputs[0].outputs[0].finish_reason == "error"
+    assert llm.engine.check_integrity() is None  # the failed step's blocks are back
+    llm.engine.tp_workers.stop()
