@@ -10,9 +10,13 @@ checks the manifest against this list):
 
   http_options.host            0.0.0.0: HAProxy on one node must reach engine replicas on the
                                others; the NetworkPolicy (or a firewall) closes their ports to clients
-  <app>.args.num_gpus_per_replica  1: "auto" counts the GPUs Ray sees when the app is deployed,
-                               which may be before the GPU workers have joined
-  <app>.args.num_replicas      the GPUs of the manifest's worker groups (replicas x nvidia.com/gpu);
+  <app>.args.num_gpus_per_replica  engine.tensor_parallel_size (1 by default): "auto" counts the GPUs
+                               Ray sees when the app is deployed, which may be before the GPU workers
+                               have joined; a replica's ranks share one pod, so each pod's GPUs must
+                               be a multiple of it
+  <app>.args.num_replicas      the GPUs of the manifest's worker groups (replicas x nvidia.com/gpu)
+                               divided by the GPUs per replica; with `autoscaling`, "auto" (its
+                               min_replicas), and max_replicas must fit those GPUs;
                                bare metal: a number or "auto" once every worker has joined
   <app>.args.engine.num_kv_blocks  removed: on GPU the KV cache is sized from gpu_memory_utilization
   <app>.args.drain_timeout_s   MAX_STREAM_S: a replaced or scaled-down engine replica finishes its
@@ -71,6 +75,17 @@ def pod_gpus(template: dict) -> int:
     return total
 
 
+def check_pods_fit_replicas(rayservice: dict, serve_config: dict) -> None:
+    """A tensor-parallel replica's ranks run in one pod: every GPU pod must hold whole replicas."""
+    for app in serve_config.get("applications") or []:
+        gpus = int(((app.get("args") or {}).get("engine") or {}).get("tensor_parallel_size", 1))
+        for group in rayservice["spec"]["rayClusterConfig"].get("workerGroupSpecs") or []:
+            pod = pod_gpus(group["template"])
+            if pod and pod % gpus:
+                raise ValueError(f"worker group {group.get('groupName')!r} has {pod} GPU(s) per pod, not a multiple "
+                                 f"of tensor_parallel_size {gpus}: a replica's ranks must share a pod")
+
+
 def worker_gpus(rayservice: dict) -> int:
     """GPUs of the worker groups at their `replicas` count: one engine replica per GPU."""
     groups = rayservice["spec"]["rayClusterConfig"].get("workerGroupSpecs") or []
@@ -86,11 +101,29 @@ def cluster_serve_config(serve_config: dict, num_replicas: int | str) -> dict:
         raise ValueError(f"serve config has no application with import_path {ROSERAY_IMPORT_PATH}")
     for app in apps:
         args = app.setdefault("args", {})
-        args["num_gpus_per_replica"] = 1
-        args["num_replicas"] = num_replicas
+        gpus = int(args.get("engine", {}).get("tensor_parallel_size", 1))
+        args["num_gpus_per_replica"] = gpus
+        args["num_replicas"] = app_replicas(args, num_replicas, gpus)
         args["drain_timeout_s"] = MAX_STREAM_S
         args.setdefault("engine", {}).pop("num_kv_blocks", None)
     return config
+
+
+def app_replicas(args: dict, gpus_total: int | str, gpus_per_replica: int) -> int | str:
+    """An app's num_replicas on a cluster of `gpus_total` GPUs ("auto": not known yet)."""
+    autoscaling = args.get("autoscaling")
+    if gpus_total == "auto":
+        return "auto"
+    if autoscaling:
+        most = int(autoscaling.get("max_replicas", 1)) * gpus_per_replica
+        if most > gpus_total:
+            raise ValueError(f"autoscaling.max_replicas x {gpus_per_replica} GPUs = {most} exceeds the worker groups' "
+                             f"{gpus_total} GPUs")
+        return "auto"
+    if gpus_total % gpus_per_replica:
+        raise ValueError(f"the worker groups' {gpus_total} GPUs are not a multiple of tensor_parallel_size "
+                         f"{gpus_per_replica}")
+    return gpus_total // gpus_per_replica
 
 
 def dump_serve_config(config: dict) -> str:
@@ -121,6 +154,7 @@ def render_manifest(manifest_text: str, serve_config: dict) -> str:
     num_replicas = worker_gpus(rayservice)
     if num_replicas < 1:
         raise ValueError("the RayService's worker groups ask for no GPU (resources.limits['nvidia.com/gpu'])")
+    check_pods_fit_replicas(rayservice, serve_config)
     return replace_block(manifest_text, _BLOCK_KEY, dump_serve_config(cluster_serve_config(serve_config, num_replicas)))
 
 

@@ -437,6 +437,35 @@ def test_cluster_config_differs_from_serve_config_only_where_documented(rayservi
     assert "num_kv_blocks" not in cluster_args["engine"]
 
 
+def _with_args(**args) -> dict:
+    config = render.load_yaml(SERVE_CONFIG)
+    (app,) = [a for a in config["applications"] if a["import_path"] == render.ROSERAY_IMPORT_PATH]
+    app["args"].update(args)
+    return config
+
+
+def _cluster_args(config: dict, gpus: int | str) -> dict:
+    (app,) = [a for a in render.cluster_serve_config(config, gpus)["applications"]
+              if a["import_path"] == render.ROSERAY_IMPORT_PATH]
+    return app["args"]
+
+
+def test_cluster_config_of_tensor_parallel_and_autoscaled_apps(manifest_text, rayservice):
+    tp2 = _with_args(engine={"model": "random:gpt2", "tensor_parallel_size": 2})
+    assert {k: _cluster_args(tp2, 8)[k] for k in ("num_gpus_per_replica", "num_replicas")} == {
+        "num_gpus_per_replica": 2, "num_replicas": 4}
+    with pytest.raises(ValueError, match="not a multiple of tensor_parallel_size 2"):
+        _cluster_args(tp2, 7)
+    per_pod = {render.pod_gpus(g["template"]) for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    if per_pod == {1}:  # the manifest's one-GPU pods cannot hold a two-rank replica
+        with pytest.raises(ValueError, match="a replica's ranks must share a pod"):
+            render.render_manifest(manifest_text, tp2)
+    autoscaled = _with_args(autoscaling={"min_replicas": 1, "max_replicas": 3})
+    assert _cluster_args(autoscaled, 4)["num_replicas"] == "auto"  # min_replicas to start
+    with pytest.raises(ValueError, match="max_replicas x 1 GPUs = 3 exceeds the worker groups' 2 GPUs"):
+        _cluster_args(autoscaled, 2)
+
+
 def test_rayservice_cluster_shape(rayservice, ray_pin):
     cluster = rayservice["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == ray_pin
