@@ -91,13 +91,15 @@ def _moe_gemm_kernel(
     bias_ptr,  # [E, N (gate_up: 2 * N)] or a dummy
     out_ptr,  # [num_assignments, N]
     route_w_ptr,  # [num_assignments] fp32 routing weights (read when ROUTE_WEIGHT)
+    w_scale_ptr,  # [E, N (gate_up: 2 * N)] fp32 per-row scales of fp8 weights (read when W_FP8)
     sorted_ptr, block_expert_ptr, padded_ptr,  # the align step's layout
     num_assignments, n_out, k_dim, num_blocks_m,
-    stride_am, stride_we, stride_wn, stride_be, stride_om,
+    stride_am, stride_we, stride_wn, stride_be, stride_om, stride_se,
     alpha, limit,
     TOP_K: tl.constexpr,  # A rows per token: top_k for gate_up, 1 for down
     GATED: tl.constexpr,  # gate_up: also the up tile (rows n_out + n of W), then the activation
     ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTE_WEIGHT: tl.constexpr,
+    W_FP8: tl.constexpr,  # e4m3 weights, widened to A's dtype in registers; the row scale in the epilogue
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -137,16 +139,25 @@ def _moe_gemm_kernel(
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if W_FP8:
+            w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
             if EVEN_N and EVEN_K:
                 w_up = tl.load(w_ptrs + up_step)
             else:
                 w_up = tl.load(w_ptrs + up_step, mask=w_mask, other=0.0)
+            if W_FP8:
+                w_up = w_up.to(a.dtype)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
+    if W_FP8:
+        scale_row = w_scale_ptr + expert * stride_se + offs_n
+        acc *= tl.load(scale_row, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(scale_row + n_out, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         bias_row = bias_ptr + expert * stride_be + offs_n
         acc += tl.load(bias_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -167,10 +178,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, aligned: AlignedAssignments,
              tile: GemmTile, *, top_k: int, gated: bool, activation: str = "silu", alpha: float = 1.702,
              limit: float = 7.0, route_weights: torch.Tensor | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One grouped GEMM launch over all experts' tiles: out[assignment] = a[row] @ w[e].T (+ bias);
     gated: the first half of w's rows are gates, the second ups, and out = act(gate) * up;
-    route_weights [num_assignments] fp32: each output row scaled by its weight.
+    route_weights [num_assignments] fp32: each output row scaled by its weight;
+    w_scale [E, rows] fp32: w is e4m3 and row r of expert e stands for w[e, r] * w_scale[e, r].
     fp32 operands take at most 2 pipeline stages (their tiles need twice the shared memory)."""
     assert a.stride(-1) == 1 and w.is_contiguous(), (a.stride(), w.stride())
     n_out = w.shape[1] // 2 if gated else w.shape[1]
@@ -185,12 +197,14 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, aligne
     dummy = aligned.padded_count
     _moe_gemm_kernel[grid](
         a, w, dummy if bias is None else bias, out, dummy if route_weights is None else route_weights,
+        dummy if w_scale is None else w_scale,
         aligned.sorted_ids, aligned.block_expert, aligned.padded_count,
         aligned.num_assignments, n_out, k_dim, aligned.max_blocks,
         a.stride(0), w.stride(0), w.stride(1), 0 if bias is None else bias.stride(0), out.stride(0),
+        0 if w_scale is None else w_scale.stride(0),
         alpha, limit,
         TOP_K=top_k, GATED=gated, ACTIVATION=ACTIVATIONS.index(activation), HAS_BIAS=bias is not None,
-        ROUTE_WEIGHT=route_weights is not None, EVEN_K=k_dim % tile.block_k == 0,
+        ROUTE_WEIGHT=route_weights is not None, W_FP8=w_scale is not None, EVEN_K=k_dim % tile.block_k == 0,
         EVEN_N=n_out % tile.block_n == 0, DOT_PRECISION=_dot_precision(a.dtype),
         BLOCK_M=aligned.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=min(tile.num_stages, 2) if a.element_size() == 4 else tile.num_stages,
@@ -212,6 +226,8 @@ def fused_moe(
     limit: float = 7.0,
     tiles: MoETiles | None = None,
     align_method: str = "auto",
+    w13_scale: torch.Tensor | None = None,  # [E, 2I] fp32: w13 and w2 are e4m3 with per-row scales
+    w2_scale: torch.Tensor | None = None,  # [E, H]
 ) -> torch.Tensor:
     """The weighted sum of each token's top-k expert MLPs: [T, H] in hidden's dtype."""
     if activation not in ACTIVATIONS:
@@ -220,16 +236,17 @@ def fused_moe(
     num_experts, top_k = w13.shape[0], expert_ids.shape[1]
     assert w13.shape[2] == hidden_size and w2.shape == (num_experts, hidden_size, w13.shape[1] // 2), \
         (hidden.shape, w13.shape, w2.shape)
-    assert hidden.dtype == w13.dtype == w2.dtype, (hidden.dtype, w13.dtype, w2.dtype)
+    assert (w13_scale is None) == (w2_scale is None), "fp8 experts need both scales"
+    assert w13_scale is not None or hidden.dtype == w13.dtype == w2.dtype, (hidden.dtype, w13.dtype, w2.dtype)
     if num_tokens == 0:
         return torch.empty_like(hidden)
     tiles = tiles or choose_tiles(num_tokens, top_k, num_experts)
     aligned = moe_align(expert_ids, num_experts, tiles.block_m, align_method)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     activated = moe_gemm(hidden, w13, b13, aligned, tiles.gate_up, top_k=top_k, gated=True,
-                         activation=activation, alpha=alpha, limit=limit)  # [T*k, I]
+                         activation=activation, alpha=alpha, limit=limit, w_scale=w13_scale)  # [T*k, I]
     expert_out = moe_gemm(activated, w2, b2, aligned, tiles.down, top_k=1, gated=False,
-                          route_weights=routing_weights.reshape(-1).float())  # [T*k, H], weighted
+                          route_weights=routing_weights.reshape(-1).float(), w_scale=w2_scale)  # [T*k, H]
     if top_k == 1:
         return expert_out
     return expert_out.view(num_tokens, top_k, hidden_size).sum(dim=1)

@@ -10,7 +10,8 @@ It is made two ways:
   (`weight_scale_inv`) load as they are and `finalize()` turns them into per-channel ones
   (dequantize, requantize per row: one GEMM path for every format).
 On CUDA the matmul runs roseray_kernels.fp8_gemm.fp8_linear; elsewhere the dequantized
-reference (CPU tests run the same loading code and numerics up to the kernel).
+reference (CPU tests run the same loading code and numerics up to the kernel). Both come through
+roseray.layers.fused: fp8 needs the kernel package, i.e. Triton (Linux).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
+from roseray.layers import fused
 from roseray.layers.linear import MergedLinear
-from roseray_kernels.fp8_gemm import fp8_linear, fp8_linear_reference
-from roseray_kernels.fp8_quant import FP8_DTYPE, quantize_per_channel
+
+FP8_DTYPE = torch.float8_e4m3fn
 
 # how a checkpoint stores weight scales: one per tensor (or per q/k/v part), one per output row,
 # or one per block of rows x columns
@@ -67,7 +69,7 @@ class Fp8Linear(nn.Module):
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
         layer = cls.shell_like(linear, "channel")
-        layer.weight.data, layer.weight_scale.data = quantize_per_channel(linear.weight)
+        layer.weight.data, layer.weight_scale.data = fused.quantize_per_channel(linear.weight)
         if linear.bias is not None:
             layer.bias.data.copy_(linear.bias)
         return layer
@@ -80,7 +82,7 @@ class Fp8Linear(nn.Module):
         rows, cols = self.block_size
         scale = self.weight_scale_inv.repeat_interleave(rows, 0)[: self.out_features]
         scale = scale.repeat_interleave(cols, 1)[:, : self.in_features]
-        self.weight.data, self.weight_scale.data = quantize_per_channel(self.weight.float() * scale)
+        self.weight.data, self.weight_scale.data = fused.quantize_per_channel(self.weight.float() * scale)
         del self.weight_scale_inv
         self.block_size, self.scale_format = None, "channel"
 
@@ -111,8 +113,8 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
-        return fp8_linear_reference(x, self.weight, self.weight_scale, self.bias)
+            return fused.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        return fused.fp8_linear_reference(x, self.weight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

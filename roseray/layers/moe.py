@@ -94,6 +94,9 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size), requires_grad=False) if bias else None
         self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False) if bias else None
+        # fp8 experts (quantize_fp8): w13 / w2 in e4m3, one fp32 scale per expert and output row
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [num_tokens, hidden_size], router_logits [num_tokens, num_experts] -> [num_tokens, hidden_size]."""
@@ -101,8 +104,23 @@ class FusedMoE(nn.Module):
         if fused.use_triton(hidden):
             act = self.activation
             return fused.fused_moe(hidden, self.w13, self.w2, weights, ids, KERNEL_ACTIVATIONS[act.name],
-                                   self.b13, self.b2, alpha=act.alpha, limit=act.limit)
-        return moe_reference(hidden, self.w13, self.w2, weights, ids, self.activation, self.b13, self.b2)
+                                   self.b13, self.b2, alpha=act.alpha, limit=act.limit,
+                                   w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+        w13, w2 = self.w13, self.w2
+        if self.w13_scale is not None:  # the reference path multiplies the dequantized weights
+            w13 = w13.to(hidden.dtype) * self.w13_scale.to(hidden.dtype)[..., None]
+            w2 = w2.to(hidden.dtype) * self.w2_scale.to(hidden.dtype)[..., None]
+        return moe_reference(hidden, w13, w2, weights, ids, self.activation, self.b13, self.b2)
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """The experts' weights to e4m3 with a scale per expert and output row (after loading)."""
+        for name in ("w13", "w2"):
+            weight = getattr(self, name)
+            experts, rows, cols = weight.shape
+            q, scale = fused.quantize_per_channel(weight.reshape(experts * rows, cols))
+            setattr(self, name, nn.Parameter(q.view(experts, rows, cols), requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale.view(experts, rows), requires_grad=False))
 
     # ------------------------------------------------------------ checkpoint loading
 

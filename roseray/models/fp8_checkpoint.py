@@ -15,7 +15,8 @@ of attention layers (a `kv_cache_scheme`, or vLLM's `k_proj.output_scale`) are c
 fp8 KV cache. Anything else (int8/int4 compressed-tensors, other methods) fails with one line.
 
 Which layers become fp8: every nn.Linear of the model except `lm_head` and modules marked
-`keep_unquantized` (MoE routers). Mixture-of-experts experts stay in the model's dtype.
+`keep_unquantized` (MoE routers), and quantizing at load also turns mixture-of-experts experts to
+e4m3 (fp8 checkpoints of MoE models are refused: their expert formats are not read yet).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from roseray.layers import fused
 from roseray.layers.fp8_linear import Fp8Linear, is_linear
+from roseray.layers.moe import FusedMoE
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,8 @@ def _compressed_tensors_scheme(qc: dict[str, Any]) -> Fp8Scheme | None:
 
 
 def check_fp8_device(device: torch.device) -> None:
+    if not fused.HAVE_TRITON:
+        raise ValueError("fp8 weights need roseray's kernel package, i.e. Triton (Linux); load the bf16 checkpoint")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
         raise ValueError(f"fp8 weights need an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper); {name} is "
@@ -155,9 +160,14 @@ def finalize_fp8(model: nn.Module) -> None:
 
 @torch.no_grad()
 def quantize_linears(model: nn.Module) -> int:
-    """Dynamic quantization at load: every quantizable linear layer -> Fp8Linear (per channel)."""
+    """Dynamic quantization at load: every quantizable linear layer -> Fp8Linear (per channel), and
+    every MoE layer's experts to e4m3 (a scale per expert and row). Returns the layers quantized."""
     count = 0
     for name, module in quantizable_linears(model):
         model.set_submodule(name, Fp8Linear.from_linear(module))
         count += 1
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.quantize_fp8()
+            count += 1
     return count

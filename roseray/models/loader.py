@@ -212,9 +212,9 @@ def check_tensor_parallel(model_config: ModelConfig, fp8_checkpoint_weights: boo
 
 
 def _log_fp8(source: str, count: int, model_config: ModelConfig) -> None:
-    experts = "; MoE experts stay in the model's dtype" if model_config.moe is not None else ""
-    logger.info("fp8 weights from %s: %d linear layers in e4m3 with a scale per output channel (lm_head, "
-                "embeddings and norms in the model's dtype%s)", source, count, experts)
+    experts = ", MoE experts included" if model_config.moe is not None else ""
+    logger.info("fp8 weights from %s: %d layers in e4m3 with a scale per output channel%s (lm_head, "
+                "embeddings, norms and routers in the model's dtype)", source, count, experts)
 
 
 def build_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -132,6 +132,31 @@ def test_fused_moe_matches_reference(case):
     assert rel_err(got, want) < 1e-5
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["gelu_tanh-bias", "128-experts"])
+def test_fp8_experts_match_the_reference_on_their_dequantized_weights(case):
+    """e4m3 weights with a scale per expert and row (FusedMoE.quantize_fp8): widened in the kernel,
+    scaled in its epilogue; the reference multiplies the dequantized weights."""
+    num_tokens, num_experts, top_k, hidden_size, inter, activation, bias, tiles, align = case
+    layer = FusedMoE(num_experts, top_k, hidden_size, inter, activation=ExpertActivation(REFERENCE_NAME[activation]),
+                     bias=bias).to(DEVICE)
+    w13, w2, b13, b2 = make_experts(num_experts, hidden_size, inter, bias, seed=num_tokens)
+    with torch.no_grad():
+        layer.w13.copy_(w13), layer.w2.copy_(w2)
+        if bias:
+            layer.b13.copy_(b13), layer.b2.copy_(b2)
+    layer.quantize_fp8()
+    assert layer.w13.dtype == torch.float8_e4m3fn and layer.w13_scale.shape == (num_experts, 2 * inter)
+    dq13 = layer.w13.float() * layer.w13_scale[..., None]
+    dq2 = layer.w2.float() * layer.w2_scale[..., None]
+    assert rel_err(dq13, w13) < 0.04  # within e4m3's rounding of the weights
+    hidden = torch.randn(num_tokens, hidden_size, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    weights, ids = random_routing(num_tokens, num_experts, top_k, seed=num_tokens + 1)
+    want = moe_reference(hidden, dq13, dq2, weights, ids, layer.activation, layer.b13, layer.b2)
+    got = fused_moe(hidden, layer.w13, layer.w2, weights, ids, activation, layer.b13, layer.b2, tiles=tiles,
+                    align_method=align, w13_scale=layer.w13_scale, w2_scale=layer.w2_scale)
+    assert rel_err(got, want) < 1e-5
+
+
 def test_all_tokens_on_one_expert_and_the_rest_empty():
     num_tokens, num_experts, top_k = 40, 8, 1
     w13, w2, _, _ = make_experts(num_experts, 32, 16, bias=False)

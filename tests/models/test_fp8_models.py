@@ -22,6 +22,7 @@ from torch import nn
 from roseray import LLM, SamplingParams
 from roseray.config import EngineConfig
 from roseray.layers.fp8_linear import Fp8Linear
+from roseray.layers.moe import FusedMoE
 from roseray.models.loader import load_model_config
 from roseray_kernels.fp8_quant import FP8_DTYPE
 from tests.models.fp8_checkpoints import FORMATS, write_fp8_checkpoint
@@ -166,12 +167,22 @@ def test_fp8_checkpoint_of_a_moe_model_is_refused(tiny_checkpoint, tmp_path):
         LLM(str(path), device="cpu", dtype="float32")
 
 
-def test_dynamic_fp8_on_a_moe_model_keeps_router_and_experts(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32", quantization="fp8")
+def test_dynamic_fp8_on_a_moe_model_quantizes_the_experts_and_keeps_the_routers(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")
+    batch = prompts(4, 3, 25, seed=8)
+    logprobs = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    llm = LLM(str(path), device="cpu", dtype="float32", quantization="fp8")
     model = llm.engine.runner.model
     routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert routers and all(type(m) is nn.Linear for m in routers)
-    assert any(isinstance(m, Fp8Linear) for m in model.modules())
+    assert experts and all(m.w13.dtype == m.w2.dtype == FP8_DTYPE for m in experts)
+    got = [o.outputs[0].logprobs[0] for o in llm.generate(batch, logprobs, use_tqdm=False)]
+    plain = LLM(str(path), device="cpu", dtype="float32")
+    want = [o.outputs[0].logprobs[0] for o in plain.generate(batch, logprobs, use_tqdm=False)]
+    for g, w in zip(got, want):  # e4m3 weights move these tiny models' log-probabilities a little
+        common = set(g) & set(w)
+        assert common and max(abs(g[t] - w[t]) for t in common) < 0.1
 
 
 def test_engine_config_refuses_unknown_quantization_and_kv_dtype():
