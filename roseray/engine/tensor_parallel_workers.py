@@ -16,8 +16,11 @@ and the CUDA graphs. Then it loops on StepChannel.recv until rank 0 sends STOP (
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
+import os
+import signal
 import socket
 import weakref
 
@@ -34,6 +37,7 @@ logger = logging.getLogger(__name__)
 HEADER = 24  # int64 slots: the plan (at most 18), then the in-flight mode and length
 NO_TOKENS, OWN_DECODE_TOKENS, SENT_TOKENS = 0, 1, 2  # what a step's in-flight tokens are on the workers
 JOIN_TIMEOUT_S = 30.0
+PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent exits
 
 
 class StepChannel:
@@ -88,7 +92,7 @@ class TensorParallelWorkers:
         self.size = config.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = mp.get_context("spawn")
-        self.processes = [context.Process(target=worker_main, args=(rank, self.size, init_method, config),
+        self.processes = [context.Process(target=worker_main, args=(rank, self.size, init_method, config, os.getpid()),
                                           name=f"roseray-tp-rank{rank}", daemon=True)
                           for rank in range(1, self.size)]
         for process in self.processes:
@@ -131,8 +135,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_main(rank: int, size: int, init_method: str, config: EngineConfig) -> None:
+def _die_with(parent: int) -> None:
+    """Linux: SIGKILL for this worker when rank 0's process exits, however it exits (a killed engine
+    would otherwise leave its ranks waiting in a collective, holding their GPUs)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the STOP at rank 0's exit is all there is
+        return
+    if os.getppid() != parent:  # rank 0 went before the prctl took effect
+        os._exit(1)
+
+
+def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, parent: int) -> None:
     """A worker rank: its model shard and runner, built as rank 0 builds its own, then steps."""
+    _die_with(parent)
     device = config.resolve_device()
     if device.type == "cuda":
         torch.cuda.set_device(rank)

@@ -5,14 +5,20 @@ stops with the engine."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
+import sys
 
+import psutil
 import pytest
 import torch
 import transformers
 
 from roseray import LLM, SamplingParams
 from tests.models.hf_models import make_tiny_model
+from tests.waiting import wait_until
 
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -85,3 +91,25 @@ def test_a_worker_that_dies_fails_the_next_step_with_its_rank_named(tiny):
     assert outputs[0].outputs[0].finish_reason == "error"
     assert llm.engine.check_integrity() is None  # the failed step's blocks are back
     llm.engine.tp_workers.stop()
+
+
+KILLED_RANK_0 = """
+import os, signal, sys
+from roseray import LLM
+if __name__ == "__main__":  # the workers are spawned: they import this module
+    llm = LLM(sys.argv[1], device="cpu", dtype="float32", block_size=4, tensor_parallel_size=2)
+    print(llm.engine.tp_workers.processes[0].pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_rank_0_takes_its_worker_with_it(tiny, tmp_path):
+    path, _ = tiny
+    script = tmp_path / "rank0.py"
+    script.write_text(KILLED_RANK_0)
+    done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    worker = int(done.stdout.split()[0])
+    wait_until(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE,
+               timeout=30, message="the worker did not exit with rank 0")
