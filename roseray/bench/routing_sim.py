@@ -8,8 +8,12 @@ token appended to each request whose prompt is done (the ids the workload script
 full blocks committed to the prefix cache, requests at their max_tokens finished
 (`finish_many`). The step lasts what the step-time model says; the next one starts when it
 ends. The router sees each replica's routing stats (queue, kv_free, ts) as Serve pulls them
-every `stats_period_s` (app.py's RouterArgs default: 0.5 s), each replica at its own phase.
-A request reaches its replica the moment it is routed (no network).
+every `stats_period_s` (app.py's RouterArgs default: 0.5 s), each replica at its own phase;
+for a policy that `wants_kv_events` (cache_aware), the stats also carry the replica's KV cache
+events as the app's replica sends them: the real KVEventFeed over the BlockManager's real
+event log (a batch per period, a snapshot every `kv_snapshot_every` periods or on resync).
+A request reaches its replica the moment it is routed, and the stats reach the router the
+moment they are taken (no network: the real Serve adds its delivery to the view's age).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from roseray.bench.routing_step_time import StepTimeModel
 from roseray.engine.block_manager import BlockManager
 from roseray.engine.request import Request, RequestStatus
 from roseray.engine.scheduler import Scheduler, SchedulerOutput
+from roseray.ray_serve.kv_event_feed import KVEventFeed
 from roseray.sampling_params import SamplingParams
 
 _PARAMS = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -56,8 +61,30 @@ class _Record:
     finish_s: float | None = None
 
 
+class _BlockManagerEvents:
+    """What KVEventFeed asks of an engine, answered from a simulated replica's BlockManager."""
+
+    def __init__(self, block_manager: BlockManager) -> None:
+        self.block_manager = block_manager
+
+    async def kv_events(self, snapshot: bool = False):
+        return self.block_manager.kv_cache_snapshot() if snapshot else self.block_manager.drain_kv_events()
+
+
+def _run_now(coroutine):
+    """The result of a coroutine that never suspends (KVEventFeed.poll over _BlockManagerEvents),
+    without an event loop: the simulation's clock is its own."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("the KV event feed suspended; the simulator cannot wait on it")
+
+
 class SimReplica:
-    def __init__(self, replica_id: int, config: ReplicaConfig, model: StepTimeModel) -> None:
+    def __init__(self, replica_id: int, config: ReplicaConfig, model: StepTimeModel,
+                 kv_snapshot_every: int | None = None) -> None:
         self.replica_id = replica_id
         self.config, self.model = config, model
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.max_num_seqs,
@@ -65,6 +92,8 @@ class SimReplica:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len)
         self.routing_stats: dict = {}
+        self.kv_feed = (KVEventFeed(_BlockManagerEvents(self.block_manager), kv_snapshot_every)
+                        if kv_snapshot_every else None)
         self.batch: SchedulerOutput | None = None  # the step in flight
         self.num_requests = 0
         self.busy_s = 0.0
@@ -77,6 +106,8 @@ class SimReplica:
         self.routing_stats = {"queue": self.num_active, "running": len(self.scheduler.running),
                               "waiting": len(self.scheduler.waiting), "kv_free": self.block_manager.num_free_blocks,
                               "kv_total": self.block_manager.num_blocks, "ts": now}
+        if self.kv_feed is not None:
+            self.routing_stats["kv"] = _run_now(self.kv_feed.poll())
 
     def start_step(self) -> float | None:
         """Schedule the next step; its duration, or None when there is nothing to run."""
@@ -147,6 +178,7 @@ class SimResult:
     requests_per_replica: list[int]
     preemptions: int
     extra: dict = field(default_factory=dict)
+    policy_stats: dict = field(default_factory=dict)  # what the policy measured (cache_aware: its view's age)
 
     def summary(self) -> dict:
         def pct(values: np.ndarray, q: float) -> float:
@@ -162,19 +194,23 @@ class SimResult:
             "prefix_hit_rate": self.hit_rate,
             "load_spread": float(per_replica.max() / per_replica.mean()) if per_replica.sum() else float("nan"),
             "preemptions": self.preemptions, "sim_s": self.sim_seconds, "wall_s": self.wall_seconds,
+            **self.policy_stats,
         }
 
 
 def simulate(workload, policy, num_replicas: int, *, qps: float = 0.0, config: ReplicaConfig = ReplicaConfig(),
              model: StepTimeModel | None = None, stats_period_s: float = 0.5, max_sim_s: float | None = None,
-             seed: int = 0, check_every: int = 0) -> SimResult:
+             seed: int = 0, check_every: int = 0, kv_snapshot_every: int = 20) -> SimResult:
     """Run `workload` (its specs and prompts) through `policy` over `num_replicas` replicas until
     every request finishes or `max_sim_s`. TTFT of a request without a first token by then is
     counted as the time it waited (a lower bound), so an overloaded policy still shows.
-    `check_every` > 0: check each replica's BlockManager integrity every that many steps."""
+    `check_every` > 0: check each replica's BlockManager integrity every that many steps.
+    `kv_snapshot_every`: the KV event feed's snapshot period (RouterArgs' default), for a
+    policy that `wants_kv_events`."""
     started = time.perf_counter()
     model = model or StepTimeModel()
-    replicas = [SimReplica(i, config, model) for i in range(num_replicas)]
+    feed = kv_snapshot_every if getattr(policy, "wants_kv_events", False) else None
+    replicas = [SimReplica(i, config, model, feed) for i in range(num_replicas)]
     rng = random.Random(seed)
     events: list[tuple[float, int, int, int]] = []  # (time, tiebreak, kind, replica)
     step_done, stats = 0, 1
@@ -242,4 +278,5 @@ def simulate(workload, policy, num_replicas: int, *, qps: float = 0.0, config: R
         output_tokens=output_tokens, hit_rate=hits / queries if queries else 0.0,
         requests_per_replica=[r.num_requests for r in replicas],
         preemptions=sum(r.scheduler.num_preemptions_total for r in replicas),
-        extra={"steps": steps, "gpu_busy": [r.busy_s / now if now else 0.0 for r in replicas]})
+        extra={"steps": steps, "gpu_busy": [r.busy_s / now if now else 0.0 for r in replicas]},
+        policy_stats=policy.measurements() if hasattr(policy, "measurements") else {})
