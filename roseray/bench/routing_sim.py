@@ -12,8 +12,12 @@ every `stats_period_s` (app.py's RouterArgs default: 0.5 s), each replica at its
 for a policy that `wants_kv_events` (cache_aware), the stats also carry the replica's KV cache
 events as the app's replica sends them: the real KVEventFeed over the BlockManager's real
 event log (a batch per period, a snapshot every `kv_snapshot_every` periods or on resync).
-A request reaches its replica the moment it is routed, and the stats reach the router the
-moment they are taken (no network: the real Serve adds its delivery to the view's age).
+A request reaches its replica the moment it is routed. By default the stats reach the router
+the moment they are taken, every period exactly; `serve_stats_timing` gives Ray Serve's
+controller's timing instead (SERVE_STATS_TIMING: each pull after period x U(0.9, 1.1), at the
+controller's next visit of the replica (its round-robin sweep: every half period), the
+result picked up at a control tick (every 0.1 s) and broadcast), which is what dates the
+Router's view in a real deployment.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import heapq
 import random
 import time
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +40,19 @@ from roseray.ray_serve.kv_event_feed import KVEventFeed
 from roseray.sampling_params import SamplingParams
 
 _PARAMS = SamplingParams(temperature=0.0, ignore_eos=True)
+
+# Ray Serve 2.x's controller (ray/serve/_private: deployment_state.py's _should_record_routing_stats
+# and _process_healthy_replica, constants.py's CONTROL_LOOP_INTERVAL_S and
+# CONTROLLER_HEALTH_CHECK_RECONCILIATION_FRACTION), as fractions of the stats period or seconds
+SERVE_STATS_JITTER = 0.1  # a pull starts period x U(1 - j, 1 + j) after the previous one ...
+SERVE_STATS_VISIT = 0.5  # ... at the controller's next visit: its sweep takes this x the period
+SERVE_STATS_DELIVERY_S = 0.1  # the result is picked up at the next control tick
+
+
+def serve_stats_timing(period_s: float) -> dict:
+    """simulate()'s stats timing keywords for Ray Serve's controller at this stats period."""
+    return {"stats_jitter": SERVE_STATS_JITTER, "stats_visit_s": SERVE_STATS_VISIT * period_s,
+            "stats_delivery_s": SERVE_STATS_DELIVERY_S}
 
 
 @dataclass(frozen=True)
@@ -92,6 +110,8 @@ class SimReplica:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len)
         self.routing_stats: dict = {}
+        self.stats_in_flight: deque[dict] = deque()  # taken, not yet delivered to the router
+        self.stats_delivered_at = 0.0  # the last delivery's time (deliveries keep their order)
         self.kv_feed = (KVEventFeed(_BlockManagerEvents(self.block_manager), kv_snapshot_every)
                         if kv_snapshot_every else None)
         self.batch: SchedulerOutput | None = None  # the step in flight
@@ -102,12 +122,18 @@ class SimReplica:
     def num_active(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
-    def snapshot(self, now: float) -> None:
-        self.routing_stats = {"queue": self.num_active, "running": len(self.scheduler.running),
-                              "waiting": len(self.scheduler.waiting), "kv_free": self.block_manager.num_free_blocks,
-                              "kv_total": self.block_manager.num_blocks, "ts": now}
+    def take_stats(self, now: float) -> dict:
+        """What the app's record_routing_stats answers now (with its KV events, if fed)."""
+        stats = {"queue": self.num_active, "running": len(self.scheduler.running),
+                 "waiting": len(self.scheduler.waiting), "kv_free": self.block_manager.num_free_blocks,
+                 "kv_total": self.block_manager.num_blocks, "ts": now}
         if self.kv_feed is not None:
-            self.routing_stats["kv"] = _run_now(self.kv_feed.poll())
+            stats["kv"] = _run_now(self.kv_feed.poll())
+        return stats
+
+    def snapshot(self, now: float) -> None:
+        """Stats taken now and delivered at once."""
+        self.routing_stats = self.take_stats(now)
 
     def start_step(self) -> float | None:
         """Schedule the next step; its duration, or None when there is nothing to run."""
@@ -200,20 +226,23 @@ class SimResult:
 
 def simulate(workload, policy, num_replicas: int, *, qps: float = 0.0, config: ReplicaConfig = ReplicaConfig(),
              model: StepTimeModel | None = None, stats_period_s: float = 0.5, max_sim_s: float | None = None,
-             seed: int = 0, check_every: int = 0, kv_snapshot_every: int = 20) -> SimResult:
+             seed: int = 0, check_every: int = 0, kv_snapshot_every: int = 20, stats_jitter: float = 0.0,
+             stats_visit_s: float = 0.0, stats_delivery_s: float = 0.0) -> SimResult:
     """Run `workload` (its specs and prompts) through `policy` over `num_replicas` replicas until
     every request finishes or `max_sim_s`. TTFT of a request without a first token by then is
     counted as the time it waited (a lower bound), so an overloaded policy still shows.
     `check_every` > 0: check each replica's BlockManager integrity every that many steps.
     `kv_snapshot_every`: the KV event feed's snapshot period (RouterArgs' default), for a
-    policy that `wants_kv_events`."""
+    policy that `wants_kv_events`. `stats_jitter`, `stats_visit_s`, `stats_delivery_s`: the
+    stats' timing (module docstring; serve_stats_timing); 0, 0, 0: every period, delivered at once."""
     started = time.perf_counter()
     model = model or StepTimeModel()
     feed = kv_snapshot_every if getattr(policy, "wants_kv_events", False) else None
     replicas = [SimReplica(i, config, model, feed) for i in range(num_replicas)]
     rng = random.Random(seed)
     events: list[tuple[float, int, int, int]] = []  # (time, tiebreak, kind, replica)
-    step_done, stats = 0, 1
+    step_done, stats, deliver = 0, 1, 2
+    stats_rng = random.Random(seed * 7919 + 1)  # its own: the default timing draws nothing
     counter = 0
     for r in replicas:
         r.snapshot(0.0)
@@ -233,9 +262,23 @@ def simulate(workload, policy, num_replicas: int, *, qps: float = 0.0, config: R
             now = max_sim_s
             break
         if kind == stats:
-            replicas[index].snapshot(now)
+            replica = replicas[index]
+            if stats_delivery_s > 0:
+                replica.stats_in_flight.append(replica.take_stats(now))
+                replica.stats_delivered_at = max(replica.stats_delivered_at,
+                                                 now + stats_rng.uniform(0, stats_delivery_s))
+                counter += 1
+                heapq.heappush(events, (replica.stats_delivered_at, counter, deliver, index))
+            else:
+                replica.snapshot(now)
+            period = stats_period_s * (stats_rng.uniform(1 - stats_jitter, 1 + stats_jitter) if stats_jitter else 1)
+            period += stats_rng.uniform(0, stats_visit_s) if stats_visit_s else 0.0
             counter += 1
-            heapq.heappush(events, (now + stats_period_s, counter, stats, index))
+            heapq.heappush(events, (now + period, counter, stats, index))
+            continue
+        if kind == deliver:
+            replica = replicas[index]
+            replica.routing_stats = replica.stats_in_flight.popleft()
             continue
         if kind == -1:
             spec = specs[next_arrival]

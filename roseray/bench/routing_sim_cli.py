@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from roseray.bench.routing_policies import POLICIES
-from roseray.bench.routing_sim import ReplicaConfig, simulate
+from roseray.bench.routing_sim import ReplicaConfig, serve_stats_timing, simulate
 from roseray.bench.routing_sim_plots import plot_ttft_p90
 from roseray.bench.routing_step_time import StepTimeModel
 from roseray.bench.routing_workloads import WORKLOADS, ArrivalShape
@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-blocks", type=int, default=ReplicaConfig.num_blocks, help="per replica, of 16 tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=ReplicaConfig.max_num_batched_tokens)
     p.add_argument("--stats-period", type=float, default=0.5, help="seconds between routing-stats pulls")
+    p.add_argument("--serve-stats-timing", action="store_true",
+                   help="stats pulled and delivered with Ray Serve's controller's timing (routing_sim.py), "
+                        "not every period exactly and at once")
     p.add_argument("--kv-snapshot-every", type=int, default=20,
                    help="cache_aware: a replica sends a full cache snapshot every this many stats periods")
     p.add_argument("--step-model", help="JSON of StepTimeModel coefficients (a GPU fit); default: provisional")
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     model = StepTimeModel.from_json(args.step_model) if args.step_model else StepTimeModel()
     config = ReplicaConfig(num_blocks=args.kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens)
     rows, started = [], time.perf_counter()
+    timing = serve_stats_timing(args.stats_period) if args.serve_stats_timing else {}
     for workload_name in args.workloads:
         for replicas in args.replicas:
             for per_replica in args.qps_per_replica:
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                     policy = POLICIES[policy_name](seed=args.seed, model=model, queue_tokens=args.exact_queue_tokens)
                     result = simulate(workload, policy, replicas, qps=qps, config=config, model=model,
                                       stats_period_s=args.stats_period, max_sim_s=args.drain * args.duration,
-                                      seed=args.seed, kv_snapshot_every=args.kv_snapshot_every)
+                                      seed=args.seed, kv_snapshot_every=args.kv_snapshot_every, **timing)
                     row = result.summary()
                     rows.append(row)
                     print(format_table([row]).splitlines()[-1], flush=True)
