@@ -21,6 +21,14 @@ true number of requests now) and `block_manager` (its real prefix cache).
   uncached tokens after a 6k prefix (~6 ms with the provisional model): a tenant's cached
   6k prefix (~52 ms to prefill) outweighs ~9 requests of queue: RoutingPolicy's
   affinity_max_imbalance (4) made graded instead of a cut-off.
+- cache_aware: the Router's real `cache_aware` policy (RoutingPolicy(policy="cache_aware"),
+  cache_aware.py) on the engine's block chain of the prompt (as PromptChainer makes it),
+  its KVCacheIndex fed by the replicas' real KV event feeds in their routing stats (the
+  simulator sends them: `wants_kv_events`). Unlike exact it sees each cache as of the
+  replica's last stats: it measures that view at every pick (`measurements`): the age of
+  the contents it shows for each replica (KVCacheIndex.content_age) and how often its
+  count of the request's cached leading blocks on the chosen one is above the truth
+  (blocks evicted since) or below it (cached since).
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from array import array
 from dataclasses import dataclass
+
+import numpy as np
 
 from roseray.bench.routing_step_time import StepTimeModel
 from roseray.engine.block_hash import block_chain
@@ -137,4 +148,52 @@ class ExactPolicy:
         return chosen
 
 
-POLICIES = {p.name: p for p in (RandomPolicy, PowerOfTwoPolicy, KVQueuePolicy, ApproximatePolicy, ExactPolicy)}
+class CacheAwarePolicy:
+    name = "cache_aware"
+    wants_kv_events = True
+
+    def __init__(self, seed: int = 0, **_) -> None:
+        self.policy = RoutingPolicy(policy="cache_aware", seed=seed)
+        self.view_ages = array("d")  # per pick, per replica: the age of its view (content_age)
+        self.picks = self.no_view = self.over = self.under = 0
+
+    def choose(self, replicas: list, request: RouteRequest, now: float):
+        size = request.block_size
+        chain = tuple(block_chain(request.prompt_ids, size))
+        hint = RoutingHint(need_blocks=request.need_blocks, prefix_hashes=chain,
+                           prompt_blocks=math.ceil(len(request.prompt_ids) / size))
+        chosen = self.policy.rank(replicas, hint, now=now)[0]
+        self.policy.record_pick(chosen.replica_id, hint, now=now)
+        self._measure(replicas, chosen, chain, now)
+        return chosen
+
+    def _measure(self, replicas: list, chosen, chain: tuple[int, ...], now: float) -> None:
+        """The view of every replica as this pick ranked them, and its error on the chosen one."""
+        index = self.policy.kv_index
+        self.picks += 1
+        for replica in replicas:
+            age = index.content_age(replica.replica_id, now)
+            if age is None:
+                self.no_view += 1
+            else:
+                self.view_ages.append(age)
+        seen = index.longest_cached_prefix(chosen.replica_id, chain)
+        truth = chosen.block_manager.num_cached_prefix_blocks(list(chain))
+        self.over += seen > truth
+        self.under += seen < truth
+
+    def measurements(self) -> dict:
+        """The age of the views the picks ranked on (p50/p99/max over every replica at every
+        pick, seconds), the share of those with no usable view (not heard from yet, or stale
+        waiting for a snapshot), and how often the chosen replica's view counted more or fewer
+        of the request's leading blocks than it held."""
+        ages = np.frombuffer(self.view_ages, dtype=np.float64) if len(self.view_ages) else np.full(1, np.nan)
+        picks = max(1, self.picks)
+        return {"view_age_p50_s": float(np.percentile(ages, 50)), "view_age_p99_s": float(np.percentile(ages, 99)),
+                "view_age_max_s": float(np.max(ages)),
+                "view_missing_rate": self.no_view / max(1, self.no_view + len(self.view_ages)),
+                "view_over_rate": self.over / picks, "view_under_rate": self.under / picks}
+
+
+POLICIES = {p.name: p for p in (RandomPolicy, PowerOfTwoPolicy, KVQueuePolicy, ApproximatePolicy, ExactPolicy,
+                                CacheAwarePolicy)}

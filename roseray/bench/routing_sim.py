@@ -8,8 +8,16 @@ token appended to each request whose prompt is done (the ids the workload script
 full blocks committed to the prefix cache, requests at their max_tokens finished
 (`finish_many`). The step lasts what the step-time model says; the next one starts when it
 ends. The router sees each replica's routing stats (queue, kv_free, ts) as Serve pulls them
-every `stats_period_s` (app.py's RouterArgs default: 0.5 s), each replica at its own phase.
-A request reaches its replica the moment it is routed (no network).
+every `stats_period_s` (app.py's RouterArgs default: 0.5 s), each replica at its own phase;
+for a policy that `wants_kv_events` (cache_aware), the stats also carry the replica's KV cache
+events as the app's replica sends them: the real KVEventFeed over the BlockManager's real
+event log (a batch per period, a snapshot every `kv_snapshot_every` periods or on resync).
+A request reaches its replica the moment it is routed. By default the stats reach the router
+the moment they are taken, every period exactly; `serve_stats_timing` gives Ray Serve's
+controller's timing instead (SERVE_STATS_TIMING: each pull after period x U(0.9, 1.1), at the
+controller's next visit of the replica (its round-robin sweep: every half period), the
+result picked up at a control tick (every 0.1 s) and broadcast), which is what dates the
+Router's view in a real deployment.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import heapq
 import random
 import time
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,9 +36,23 @@ from roseray.bench.routing_step_time import StepTimeModel
 from roseray.engine.block_manager import BlockManager
 from roseray.engine.request import Request, RequestStatus
 from roseray.engine.scheduler import Scheduler, SchedulerOutput
+from roseray.ray_serve.kv_event_feed import KVEventFeed
 from roseray.sampling_params import SamplingParams
 
 _PARAMS = SamplingParams(temperature=0.0, ignore_eos=True)
+
+# Ray Serve 2.x's controller (ray/serve/_private: deployment_state.py's _should_record_routing_stats
+# and _process_healthy_replica, constants.py's CONTROL_LOOP_INTERVAL_S and
+# CONTROLLER_HEALTH_CHECK_RECONCILIATION_FRACTION), as fractions of the stats period or seconds
+SERVE_STATS_JITTER = 0.1  # a pull starts period x U(1 - j, 1 + j) after the previous one ...
+SERVE_STATS_VISIT = 0.5  # ... at the controller's next visit: its sweep takes this x the period
+SERVE_STATS_DELIVERY_S = 0.1  # the result is picked up at the next control tick
+
+
+def serve_stats_timing(period_s: float) -> dict:
+    """simulate()'s stats timing keywords for Ray Serve's controller at this stats period."""
+    return {"stats_jitter": SERVE_STATS_JITTER, "stats_visit_s": SERVE_STATS_VISIT * period_s,
+            "stats_delivery_s": SERVE_STATS_DELIVERY_S}
 
 
 @dataclass(frozen=True)
@@ -56,8 +79,30 @@ class _Record:
     finish_s: float | None = None
 
 
+class _BlockManagerEvents:
+    """What KVEventFeed asks of an engine, answered from a simulated replica's BlockManager."""
+
+    def __init__(self, block_manager: BlockManager) -> None:
+        self.block_manager = block_manager
+
+    async def kv_events(self, snapshot: bool = False):
+        return self.block_manager.kv_cache_snapshot() if snapshot else self.block_manager.drain_kv_events()
+
+
+def _run_now(coroutine):
+    """The result of a coroutine that never suspends (KVEventFeed.poll over _BlockManagerEvents),
+    without an event loop: the simulation's clock is its own."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("the KV event feed suspended; the simulator cannot wait on it")
+
+
 class SimReplica:
-    def __init__(self, replica_id: int, config: ReplicaConfig, model: StepTimeModel) -> None:
+    def __init__(self, replica_id: int, config: ReplicaConfig, model: StepTimeModel,
+                 kv_snapshot_every: int | None = None) -> None:
         self.replica_id = replica_id
         self.config, self.model = config, model
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.max_num_seqs,
@@ -65,6 +110,10 @@ class SimReplica:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len)
         self.routing_stats: dict = {}
+        self.stats_in_flight: deque[dict] = deque()  # taken, not yet delivered to the router
+        self.stats_delivered_at = 0.0  # the last delivery's time (deliveries keep their order)
+        self.kv_feed = (KVEventFeed(_BlockManagerEvents(self.block_manager), kv_snapshot_every)
+                        if kv_snapshot_every else None)
         self.batch: SchedulerOutput | None = None  # the step in flight
         self.num_requests = 0
         self.busy_s = 0.0
@@ -73,10 +122,18 @@ class SimReplica:
     def num_active(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
+    def take_stats(self, now: float) -> dict:
+        """What the app's record_routing_stats answers now (with its KV events, if fed)."""
+        stats = {"queue": self.num_active, "running": len(self.scheduler.running),
+                 "waiting": len(self.scheduler.waiting), "kv_free": self.block_manager.num_free_blocks,
+                 "kv_total": self.block_manager.num_blocks, "ts": now}
+        if self.kv_feed is not None:
+            stats["kv"] = _run_now(self.kv_feed.poll())
+        return stats
+
     def snapshot(self, now: float) -> None:
-        self.routing_stats = {"queue": self.num_active, "running": len(self.scheduler.running),
-                              "waiting": len(self.scheduler.waiting), "kv_free": self.block_manager.num_free_blocks,
-                              "kv_total": self.block_manager.num_blocks, "ts": now}
+        """Stats taken now and delivered at once."""
+        self.routing_stats = self.take_stats(now)
 
     def start_step(self) -> float | None:
         """Schedule the next step; its duration, or None when there is nothing to run."""
@@ -147,6 +204,7 @@ class SimResult:
     requests_per_replica: list[int]
     preemptions: int
     extra: dict = field(default_factory=dict)
+    policy_stats: dict = field(default_factory=dict)  # what the policy measured (cache_aware: its view's age)
 
     def summary(self) -> dict:
         def pct(values: np.ndarray, q: float) -> float:
@@ -162,22 +220,29 @@ class SimResult:
             "prefix_hit_rate": self.hit_rate,
             "load_spread": float(per_replica.max() / per_replica.mean()) if per_replica.sum() else float("nan"),
             "preemptions": self.preemptions, "sim_s": self.sim_seconds, "wall_s": self.wall_seconds,
+            **self.policy_stats,
         }
 
 
 def simulate(workload, policy, num_replicas: int, *, qps: float = 0.0, config: ReplicaConfig = ReplicaConfig(),
              model: StepTimeModel | None = None, stats_period_s: float = 0.5, max_sim_s: float | None = None,
-             seed: int = 0, check_every: int = 0) -> SimResult:
+             seed: int = 0, check_every: int = 0, kv_snapshot_every: int = 20, stats_jitter: float = 0.0,
+             stats_visit_s: float = 0.0, stats_delivery_s: float = 0.0) -> SimResult:
     """Run `workload` (its specs and prompts) through `policy` over `num_replicas` replicas until
     every request finishes or `max_sim_s`. TTFT of a request without a first token by then is
     counted as the time it waited (a lower bound), so an overloaded policy still shows.
-    `check_every` > 0: check each replica's BlockManager integrity every that many steps."""
+    `check_every` > 0: check each replica's BlockManager integrity every that many steps.
+    `kv_snapshot_every`: the KV event feed's snapshot period (RouterArgs' default), for a
+    policy that `wants_kv_events`. `stats_jitter`, `stats_visit_s`, `stats_delivery_s`: the
+    stats' timing (module docstring; serve_stats_timing); 0, 0, 0: every period, delivered at once."""
     started = time.perf_counter()
     model = model or StepTimeModel()
-    replicas = [SimReplica(i, config, model) for i in range(num_replicas)]
+    feed = kv_snapshot_every if getattr(policy, "wants_kv_events", False) else None
+    replicas = [SimReplica(i, config, model, feed) for i in range(num_replicas)]
     rng = random.Random(seed)
     events: list[tuple[float, int, int, int]] = []  # (time, tiebreak, kind, replica)
-    step_done, stats = 0, 1
+    step_done, stats, deliver = 0, 1, 2
+    stats_rng = random.Random(seed * 7919 + 1)  # its own: the default timing draws nothing
     counter = 0
     for r in replicas:
         r.snapshot(0.0)
@@ -197,9 +262,23 @@ def simulate(workload, policy, num_replicas: int, *, qps: float = 0.0, config: R
             now = max_sim_s
             break
         if kind == stats:
-            replicas[index].snapshot(now)
+            replica = replicas[index]
+            if stats_delivery_s > 0:
+                replica.stats_in_flight.append(replica.take_stats(now))
+                replica.stats_delivered_at = max(replica.stats_delivered_at,
+                                                 now + stats_rng.uniform(0, stats_delivery_s))
+                counter += 1
+                heapq.heappush(events, (replica.stats_delivered_at, counter, deliver, index))
+            else:
+                replica.snapshot(now)
+            period = stats_period_s * (stats_rng.uniform(1 - stats_jitter, 1 + stats_jitter) if stats_jitter else 1)
+            period += stats_rng.uniform(0, stats_visit_s) if stats_visit_s else 0.0
             counter += 1
-            heapq.heappush(events, (now + stats_period_s, counter, stats, index))
+            heapq.heappush(events, (now + period, counter, stats, index))
+            continue
+        if kind == deliver:
+            replica = replicas[index]
+            replica.routing_stats = replica.stats_in_flight.popleft()
             continue
         if kind == -1:
             spec = specs[next_arrival]
@@ -242,4 +321,5 @@ def simulate(workload, policy, num_replicas: int, *, qps: float = 0.0, config: R
         output_tokens=output_tokens, hit_rate=hits / queries if queries else 0.0,
         requests_per_replica=[r.num_requests for r in replicas],
         preemptions=sum(r.scheduler.num_preemptions_total for r in replicas),
-        extra={"steps": steps, "gpu_busy": [r.busy_s / now if now else 0.0 for r in replicas]})
+        extra={"steps": steps, "gpu_busy": [r.busy_s / now if now else 0.0 for r in replicas]},
+        policy_stats=policy.measurements() if hasattr(policy, "measurements") else {})

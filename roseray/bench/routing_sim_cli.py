@@ -3,7 +3,9 @@
 For every (workload, replicas, QPS, policy): one seeded simulation (routing_sim.simulate),
 a table row (TTFT p50/p90/p99, ITL p99, output tok/s, prefix-cache hit rate, load spread:
 max/mean requests per replica), all rows as JSON (--out) and one plot per workload and
-replica count (TTFT p90 against offered QPS, a line per policy) under --plot-dir.
+replica count (TTFT p90 against offered QPS, a line per policy) under --plot-dir. For the
+cache_aware policy (the Router's own, on the replicas' KV events), a second table: the age of
+its view of the replicas' caches at its picks (p50/p99/max) and how often that view was wrong.
 Simulated, with a provisional step-time model (routing_step_time.py): relative figures.
 """
 
@@ -16,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from roseray.bench.routing_policies import POLICIES
-from roseray.bench.routing_sim import ReplicaConfig, simulate
+from roseray.bench.routing_sim import ReplicaConfig, serve_stats_timing, simulate
 from roseray.bench.routing_sim_plots import plot_ttft_p90
 from roseray.bench.routing_step_time import StepTimeModel
 from roseray.bench.routing_workloads import WORKLOADS, ArrivalShape
@@ -24,6 +26,9 @@ from roseray.bench.routing_workloads import WORKLOADS, ArrivalShape
 COLUMNS = [("workload", "{}"), ("replicas", "{}"), ("qps", "{:g}"), ("policy", "{}"), ("ttft_p50_s", "{:.3f}"),
            ("ttft_p90_s", "{:.3f}"), ("ttft_p99_s", "{:.3f}"), ("itl_p99_ms", "{:.1f}"), ("output_tok_s", "{:,.0f}"),
            ("prefix_hit_rate", "{:.1%}"), ("load_spread", "{:.2f}"), ("finished", "{}"), ("wall_s", "{:.1f}")]
+VIEW_COLUMNS = [("workload", "{}"), ("replicas", "{}"), ("qps", "{:g}"), ("policy", "{}"), ("view_age_p50_s", "{:.3f}"),
+                ("view_age_p99_s", "{:.3f}"), ("view_age_max_s", "{:.3f}"), ("view_missing_rate", "{:.2%}"),
+                ("view_over_rate", "{:.2%}"), ("view_under_rate", "{:.2%}")]
 
 
 def _csv(kind):
@@ -46,6 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-blocks", type=int, default=ReplicaConfig.num_blocks, help="per replica, of 16 tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=ReplicaConfig.max_num_batched_tokens)
     p.add_argument("--stats-period", type=float, default=0.5, help="seconds between routing-stats pulls")
+    p.add_argument("--serve-stats-timing", action="store_true",
+                   help="stats pulled and delivered with Ray Serve's controller's timing (routing_sim.py), "
+                        "not every period exactly and at once")
+    p.add_argument("--kv-snapshot-every", type=int, default=20,
+                   help="cache_aware: a replica sends a full cache snapshot every this many stats periods")
     p.add_argument("--step-model", help="JSON of StepTimeModel coefficients (a GPU fit); default: provisional")
     p.add_argument("--exact-queue-tokens", type=int, default=512,
                    help="exact: a queued request weighs as the prefill of this many uncached tokens")
@@ -63,11 +73,11 @@ def make_workload(name: str, shape: ArrivalShape, replicas: int, args: argparse.
     return WORKLOADS[name](shape, seed=args.seed)
 
 
-def format_table(rows: list[dict]) -> str:
-    head = "| " + " | ".join(name for name, _ in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * len(COLUMNS)]
+def format_table(rows: list[dict], columns: list[tuple[str, str]] = COLUMNS) -> str:
+    head = "| " + " | ".join(name for name, _ in columns) + " |"
+    lines = [head, "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(fmt.format(row[name]) for name, fmt in COLUMNS) + " |")
+        lines.append("| " + " | ".join(fmt.format(row[name]) for name, fmt in columns) + " |")
     return "\n".join(lines)
 
 
@@ -79,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     model = StepTimeModel.from_json(args.step_model) if args.step_model else StepTimeModel()
     config = ReplicaConfig(num_blocks=args.kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens)
     rows, started = [], time.perf_counter()
+    timing = serve_stats_timing(args.stats_period) if args.serve_stats_timing else {}
     for workload_name in args.workloads:
         for replicas in args.replicas:
             for per_replica in args.qps_per_replica:
@@ -89,12 +100,16 @@ def main(argv: list[str] | None = None) -> int:
                     policy = POLICIES[policy_name](seed=args.seed, model=model, queue_tokens=args.exact_queue_tokens)
                     result = simulate(workload, policy, replicas, qps=qps, config=config, model=model,
                                       stats_period_s=args.stats_period, max_sim_s=args.drain * args.duration,
-                                      seed=args.seed)
+                                      seed=args.seed, kv_snapshot_every=args.kv_snapshot_every, **timing)
                     row = result.summary()
                     rows.append(row)
                     print(format_table([row]).splitlines()[-1], flush=True)
     print(f"\nstep-time model: {model.source}\n")
     print(format_table(rows))
+    viewed = [row for row in rows if "view_age_p99_s" in row]
+    if viewed:
+        print("\nthe Router's view of the replicas' caches (cache_aware), at its picks:\n")
+        print(format_table(viewed, VIEW_COLUMNS))
     print(f"\n{len(rows)} simulations in {time.perf_counter() - started:.1f} s")
     if args.out:
         Path(args.out).write_text(json.dumps({"step_time_model": asdict(model), "rows": rows}, indent=2) + "\n")

@@ -11,8 +11,11 @@ empty, so the view starts over empty (and a first batch of the epoch applies dir
 
 `longest_cached_prefix(replica, chain)` is what a cache-aware policy scores with: the
 number of leading blocks of a request's chain the replica holds. `view_age` is how long
-ago the replica's view was last confirmed (a batch or snapshot applied), for the
-staleness report.
+ago the replica's view was last confirmed (a batch or snapshot applied); `content_age` is
+how old the cache contents it shows are: since the replica drained the batch (or took the
+snapshot) last applied, by the `as_of` time the caller passes along (the `ts` of the
+routing-stats dict that carried it, on the replica's clock), so it includes the delivery
+from the replica to the Router. The staleness report (BENCHMARKS.md) is its 99th percentile.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class ReplicaCacheView:
     hashes: set[int] = field(default_factory=set)
     stale: bool = False  # a batch was missed: waiting for a snapshot
     confirmed_at: float | None = None  # clock time of the last batch or snapshot applied
+    as_of: float | None = None  # when the replica took the contents last applied (its clock), if told
 
 
 class KVCacheIndex:
@@ -42,8 +46,9 @@ class KVCacheIndex:
         self._clock = clock
         self._views: dict[Hashable, ReplicaCacheView] = {}
 
-    def apply(self, replica: Hashable, batch: KVEventBatch) -> bool:
-        """Apply a replica's next batch; True when the view is stale and needs a snapshot."""
+    def apply(self, replica: Hashable, batch: KVEventBatch, as_of: float | None = None) -> bool:
+        """Apply a replica's next batch (drained at `as_of`, if known); True when the view is
+        stale and needs a snapshot."""
         view = self._views.get(replica)
         if view is None or batch.epoch != view.epoch:  # first contact or a restart: the cache starts empty
             view = self._views[replica] = ReplicaCacheView(batch.epoch)
@@ -59,19 +64,21 @@ class KVCacheIndex:
         hashes.update(batch.stored)
         view.seq = batch.seq
         view.confirmed_at = self._clock()
+        view.as_of = as_of
         return False
 
-    def apply_snapshot(self, replica: Hashable, snapshot: KVCacheSnapshot) -> None:
-        """Replace the replica's view by a snapshot (batches after `snapshot.seq` apply on top)."""
+    def apply_snapshot(self, replica: Hashable, snapshot: KVCacheSnapshot, as_of: float | None = None) -> None:
+        """Replace the replica's view by a snapshot taken at `as_of`, if known (batches after
+        `snapshot.seq` apply on top)."""
         self._views[replica] = ReplicaCacheView(snapshot.epoch, snapshot.seq, set(snapshot.hashes),
-                                                confirmed_at=self._clock())
+                                                confirmed_at=self._clock(), as_of=as_of)
 
     @staticmethod
     def _mark_stale(view: ReplicaCacheView, seq: int) -> None:
         view.stale = True
         view.seq = max(view.seq, seq)
         view.hashes = set()
-        view.confirmed_at = None
+        view.confirmed_at = view.as_of = None
 
     def covers(self, replica: Hashable, epoch: int, seq: int) -> bool:
         """Whether the replica's view is current (not stale) as of a batch after `seq` of `epoch`:
@@ -109,6 +116,14 @@ class KVCacheIndex:
         if view is None or view.stale or view.confirmed_at is None:
             return None
         return (self._clock() if now is None else now) - view.confirmed_at
+
+    def content_age(self, replica: Hashable, now: float) -> float | None:
+        """Seconds from when the replica took the contents the view shows (`as_of`) to `now` (the
+        same clock as `as_of`); None if unknown, stale, or applied without an `as_of`."""
+        view = self._views.get(replica)
+        if view is None or view.stale or view.as_of is None:
+            return None
+        return now - view.as_of
 
     def replicas(self) -> list[Hashable]:
         return list(self._views)

@@ -307,10 +307,10 @@ class RoutingPolicy:
                 key = (snapshot.epoch, snapshot.seq)
                 if index.needs_snapshot(replica_id) or (not index.covers(replica_id, *key)
                                                         and self._kv_snapshot_applied.get(replica_id) != key):
-                    index.apply_snapshot(replica_id, snapshot)
+                    index.apply_snapshot(replica_id, snapshot, as_of=ts)
                     self._kv_snapshot_applied[replica_id] = key
             elif "batch" in entry:
-                index.apply(replica_id, KVEventBatch.from_dict(entry["batch"]))  # one already applied is skipped
+                index.apply(replica_id, KVEventBatch.from_dict(entry["batch"]), as_of=ts)  # one applied: skipped
 
     def cached_blocks(self, replica_id, chain: tuple[int, ...], now: float) -> int:
         """The leading blocks of `chain` the replica holds (its events), or will hold (this

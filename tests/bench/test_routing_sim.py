@@ -4,15 +4,19 @@ shared, the step-time model's shape, and the real BlockManager's accounting inta
 from __future__ import annotations
 
 import json
+from array import array
 
 import pytest
 
-from roseray.bench.routing_policies import POLICIES, ExactPolicy, token_affinity_chain
-from roseray.bench.routing_sim import ReplicaConfig, simulate
+from roseray.bench.routing_policies import POLICIES, ExactPolicy, RouteRequest, token_affinity_chain
+from roseray.bench.routing_sim import ReplicaConfig, SimReplica, _Record, serve_stats_timing, simulate
 from roseray.bench.routing_sim_cli import main as routing_sim_main
 from roseray.bench.routing_step_time import StepTimeModel
 from roseray.bench.routing_workloads import ArrivalShape, MultiTenantWorkload, MultiTurnWorkload, NoSharingWorkload
+from roseray.engine.block_hash import block_chain
+from roseray.engine.request import Request
 from roseray.ray_serve.routing import HintConfig, hint_from_body
+from roseray.sampling_params import SamplingParams
 
 REPLICAS = 4
 
@@ -51,6 +55,62 @@ def test_replicas_keep_block_manager_integrity_under_preemption_and_eviction():
     assert result.num_finished == result.num_requests > 0
     assert result.preemptions > 0
     assert 0.0 < result.hit_rate < 1.0
+
+
+@pytest.mark.parametrize("period, serve_timing", [(0.5, False), (0.2, False), (0.5, True)])
+def test_cache_aware_measures_the_age_of_its_view_at_every_pick(period, serve_timing):
+    """The Router's cache_aware policy on the replicas' real KV event feeds: at each pick it
+    dates its view of every replica (KVCacheIndex.content_age). Stats every `period`, at once:
+    the view is at most one period old, 99th percentile near it. With Serve's controller's
+    timing (pulls every 0.9-1.1 periods + up to half a period to the next visit, delivered
+    within 0.1 s) it is older, up to 1.6 periods + 0.1 s. Its count of the chosen replica's
+    cached prefix is mostly right."""
+    workload = MultiTenantWorkload(ArrivalShape(40.0, 10.0, ramp_s=2.0), tenants=60)
+    policy = POLICIES["cache_aware"](seed=0)
+    timing = serve_stats_timing(period) if serve_timing else {}
+    result = simulate(workload, policy, REPLICAS, max_sim_s=40.0, stats_period_s=period, kv_snapshot_every=4,
+                      **timing)
+    row = result.summary()
+    assert result.num_finished == result.num_requests > 0
+    assert len(policy.view_ages) == REPLICAS * result.num_requests and row["view_missing_rate"] == 0.0
+    if serve_timing:
+        assert 1.1 * period < row["view_age_p99_s"] <= row["view_age_max_s"] <= 1.6 * period + 0.1
+        assert 0.5 * period < row["view_age_p50_s"] < 0.8 * period
+    else:
+        assert 0.9 * period < row["view_age_p99_s"] <= row["view_age_max_s"] <= period
+        assert 0.4 * period < row["view_age_p50_s"] < 0.6 * period
+    assert row["view_over_rate"] + row["view_under_rate"] < 0.25
+    assert row["prefix_hit_rate"] > 0.3
+
+
+def test_cache_aware_view_misses_a_cache_reset_for_at_most_a_period():
+    """A replica's prefix cache emptied (as a restart empties it) shows in the Router's view
+    with the next stats period's batch (`cleared`), as the blocks it cached did."""
+    workload = MultiTenantWorkload(ArrivalShape(20.0, 4.0), tenants=2)
+    policy = POLICIES["cache_aware"](seed=0)
+    replicas = [SimReplica(i, ReplicaConfig(), StepTimeModel(), kv_snapshot_every=20) for i in range(2)]
+    request = RouteRequest(workload.prompt_ids(workload.specs[0]), 10, 16)
+    chain = block_chain(request.prompt_ids, 16)
+    index = policy.policy.kv_index
+
+    def stats_then_pick(now):
+        for replica in replicas:
+            replica.snapshot(now)
+        return policy.choose(replicas, request, now)
+
+    holder = stats_then_pick(0.0)
+    holder.scheduler.add(Request("r", request.prompt_ids, SamplingParams(), max_tokens=10))
+    while holder.start_step() is not None:
+        holder.finish_step(0.1, {"r": _Record(0.0, holder.replica_id, None)}, array("d"))
+    assert holder.block_manager.num_cached_prefix_blocks(chain) == len(chain)
+    assert index.longest_cached_prefix(holder.replica_id, chain) == 0  # cached after the last stats
+    stats_then_pick(0.5)
+    assert index.longest_cached_prefix(holder.replica_id, chain) == len(chain)
+    holder.block_manager.reset_prefix_cache()
+    assert index.longest_cached_prefix(holder.replica_id, chain) == len(chain)  # not seen until the next stats
+    stats_then_pick(1.0)
+    assert index.longest_cached_prefix(holder.replica_id, chain) == 0
+    assert index.content_age(holder.replica_id, 1.2) == pytest.approx(0.2)
 
 
 def test_multi_turn_prompt_extends_the_previous_turn():
@@ -98,9 +158,15 @@ def test_exact_prefers_the_replica_holding_the_prefix_until_its_queue_outweighs_
 
 def test_cli_writes_table_json_and_plot(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    assert routing_sim_main(["--replicas", "2", "--qps-per-replica", "2,4", "--duration", "5",
-                             "--policies", "random,exact", "--out", str(out), "--plot-dir", str(tmp_path)]) == 0
+    assert routing_sim_main(["--replicas", "2", "--qps-per-replica", "2,4", "--duration", "5", "--policies",
+                             "random,exact,cache_aware", "--serve-stats-timing", "--out", str(out),
+                             "--plot-dir", str(tmp_path)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["policy"], r["qps"]) for r in rows} == {(p, q) for p in ("random", "exact") for q in (4.0, 8.0)}
+    policies = ("random", "exact", "cache_aware")
+    assert {(r["policy"], r["qps"]) for r in rows} == {(p, q) for p in policies for q in (4.0, 8.0)}
+    assert all(("view_age_p99_s" in r) == (r["policy"] == "cache_aware") for r in rows)
+    assert max(r["view_age_max_s"] for r in rows if r["policy"] == "cache_aware") > 0.5  # Serve's timing: > a period
     assert (tmp_path / "routing_sim_multi-tenant_2.png").stat().st_size > 0
-    assert "| multi-tenant | 2 | 8 | exact |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| multi-tenant | 2 | 8 | exact |" in printed
+    assert "| view_age_p50_s | view_age_p99_s |" in printed and "| multi-tenant | 2 | 8 | cache_aware | 0." in printed

@@ -95,6 +95,20 @@ def test_a_restarted_replica_stops_attracting_the_prefix():
     assert p.rank([holder, other], HINT, now=1001.5)[0] is other
 
 
+def test_the_index_dates_its_view_by_the_stats_that_carried_it():
+    """The age of the Router's view of a replica's cache (KVCacheIndex.content_age) runs from the
+    `ts` of the routing-stats dict whose batch or snapshot it applied: the replica's clock."""
+    p = policy()
+    holder, other = holder_and_other(1)
+    p.rank([holder, other], HINT, now=1000.4)
+    assert p.kv_index.content_age("holder", 1000.4) == pytest.approx(0.4)
+    holder.routing_stats = stats(1, ts=1000.5, kv=recent(batch(1, CHAIN), batch(2)))
+    other.routing_stats = stats(0, ts=1000.6, kv=snapshot(3, ()))
+    p.rank([holder, other], HINT, now=1000.9)
+    assert p.kv_index.content_age("holder", 1000.9) == pytest.approx(0.4)
+    assert p.kv_index.content_age("other", 1000.9) == pytest.approx(0.3)
+
+
 def test_a_lost_batch_makes_the_view_stale_until_a_snapshot():
     p = policy()
     holder, other = holder_and_other(1)

@@ -71,3 +71,21 @@ def test_view_age_and_forget():
     assert index.replicas() == ["a"]
     index.forget("a")
     assert index.replicas() == [] and not index.needs_snapshot("a") and index.cached_hashes("a") == frozenset()
+
+
+def test_content_age_counts_from_when_the_replica_took_the_contents():
+    """The age of what the view shows runs from the `as_of` the replica stamped (its stats'
+    `ts`), not from when the index applied it: the delivery counts. A batch already applied
+    (delivered again) does not make the view younger; a gap leaves no age to trust."""
+    clock = Clock()
+    index = KVCacheIndex(clock)
+    index.apply("a", KVEventBatch(1, 1, stored=(10,), removed=()))
+    assert index.view_age("a") == 0.0 and index.content_age("a", clock.now) is None  # no as_of: unknown
+    index.apply("a", KVEventBatch(1, 2, stored=(), removed=()), as_of=99.0)  # taken 1 s before it arrived
+    assert index.content_age("a", clock.now) == 1.0 and index.view_age("a") == 0.0
+    index.apply("a", KVEventBatch(1, 2, stored=(), removed=()), as_of=100.0)  # the same batch again
+    assert index.content_age("a", 100.5) == 1.5
+    index.apply_snapshot("a", KVCacheSnapshot(1, 5, (10,)), as_of=100.25)
+    assert index.content_age("a", 100.5) == 0.25
+    index.apply("a", KVEventBatch(1, 7, stored=(), removed=()), as_of=100.5)  # batch 6 lost: stale
+    assert index.content_age("a", 101.0) is None and index.content_age("b", 101.0) is None
