@@ -25,7 +25,10 @@ BLOCK_COLS = 1024  # columns per loop iteration of a row
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (e4m3 [N, K], fp32 scale [N]): one scale per output channel (row)."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=MIN_SCALE)
+    # times the reciprocal, not divided by a scalar: CUDA does the latter as the former, so this
+    # gives the same scales (and e4m3 values) on every device: a checkpoint written on the CPU
+    # equals quantizing at load on the GPU
+    scale = (w.abs().amax(dim=1) * (1.0 / FP8_MAX)).clamp(min=MIN_SCALE)
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
