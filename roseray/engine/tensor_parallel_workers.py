@@ -45,6 +45,8 @@ class StepChannel:
 
     def __init__(self, device: torch.device, max_num_seqs: int, processes: list | None = None) -> None:
         self.header = torch.zeros(HEADER, dtype=torch.int64, device=device)
+        # rank 0 fills this host copy each step (no per-step tensor), then one copy to `header`
+        self._host_header = torch.zeros(HEADER, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)  # a worker's receive buffer
         self.processes = processes or []  # rank 0: the workers, checked before each step
 
@@ -65,8 +67,11 @@ class StepChannel:
             mode, count = OWN_DECODE_TOKENS, 0
         else:
             mode, count = SENT_TOKENS, in_flight.shape[0]
-        values = [*plan, *[0] * (HEADER - 2 - len(plan)), mode, count]
-        self.header.copy_(torch.tensor(values, dtype=torch.int64), non_blocking=True)
+        host = self._host_header.numpy()
+        host[:] = 0
+        host[: len(plan)] = plan
+        host[HEADER - 2:] = (mode, count)
+        self.header.copy_(self._host_header)  # synchronous from pinned memory: the next step may refill it
         broadcast(self.header)
         if plan[0] != STOP:
             broadcast(buffer[: plan[1]])

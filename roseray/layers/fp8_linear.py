@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from roseray.layers import fused
-from roseray.layers.linear import MergedLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -118,7 +117,3 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def is_linear(module: nn.Module) -> bool:
-    return isinstance(module, (nn.Linear, MergedLinear))

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from roseray.layers import fused
-from roseray.layers.fp8_linear import Fp8Linear, is_linear
+from roseray.layers.fp8_linear import Fp8Linear
 from roseray.layers.moe import FusedMoE
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def check_fp8_device(device: torch.device) -> None:
 def quantizable_linears(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, module in list(model.named_modules()):
         keep = getattr(module, "keep_unquantized", False)
-        if is_linear(module) and name.rpartition(".")[2] != "lm_head" and not keep:
+        if isinstance(module, nn.Linear) and name.rpartition(".")[2] != "lm_head" and not keep:
             yield name, module
 
 
