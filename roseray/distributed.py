@@ -50,9 +50,18 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str | 
 
 
 def shutdown_tensor_parallel() -> None:
+    """Leave the group (every rank once its last step is done, or when a rank is gone)."""
     global _CURRENT
     if _CURRENT.size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+        if dist.get_backend(_CURRENT.group) == "nccl":
+            # NCCL's orderly teardown (destroy_process_group) hangs once CUDA graphs have captured the
+            # group's collectives; every rank is idle at this point (STOP was sent or a rank is dead),
+            # so each one aborts its communicator locally, which frees the group for a new one (after
+            # its queued collectives, STOP's broadcast included, have run)
+            torch.cuda.synchronize()
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     _CURRENT = TensorParallel()
 
 

@@ -121,17 +121,19 @@ class TensorParallelWorkers:
 
 
 def _stop(channel: StepChannel, buffer: torch.Tensor, decode_tokens: torch.Tensor, processes: list) -> None:
+    """STOP to the workers, then every rank leaves the group (at once: rank 0 does not wait for its
+    workers to exit first), then the joins."""
     try:
         if all(p.is_alive() for p in processes):
             channel.send((STOP, 0), buffer, None, decode_tokens)
     except RuntimeError:  # a worker went meanwhile: the others are terminated below
         pass
     finally:
+        shutdown_tensor_parallel()
         for process in processes:
             process.join(JOIN_TIMEOUT_S)
             if process.is_alive():
                 process.terminate()
-        shutdown_tensor_parallel()
 
 
 def _free_port() -> int:
