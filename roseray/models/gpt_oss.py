@@ -98,7 +98,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def _rank_heads(self, sinks: torch.Tensor) -> torch.Tensor:
         """The sink logits of this rank's query heads (all of them outside tensor parallelism)."""
         heads = split_part(self.config.num_attention_heads, tensor_parallel(), "attention heads")
-        return sinks.narrow(0, 0, heads.local) if sinks.shape[0] == heads.full else sinks
+        return sinks.narrow(0, heads.start, heads.local) if sinks.shape[0] == heads.full else sinks
 
     def _mxfp4_entries(self, target: str, blocks: tuple[str, torch.Tensor],
                        scales: torch.Tensor) -> Iterator[WeightEntry]:
