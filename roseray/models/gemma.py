@@ -96,7 +96,8 @@ class GemmaModel(nn.Module):
 
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM): llama.py's attention,
-    MLP, lm_head and checkpoint names around Gemma's own decoder stack."""
+    MLP, embedding, lm_head and checkpoint names around Gemma's own decoder stack (so it shards
+    under tensor parallelism as the Llama family does)."""
 
     def make_model(self, config: ModelConfig) -> nn.Module:
         return GemmaModel(config)
