@@ -16,6 +16,7 @@ from roseray.layers.attention import AttentionMetadata, TorchAttentionBackend, a
 from roseray.layers.tensor_parallel import kv_head_part
 from roseray.models.loader import load_model, load_model_config
 from tests.models.hf_models import make_tiny_model
+from tests.models.test_gpt_oss import _mxfp4_twins
 
 SIZE = 2
 
@@ -94,8 +95,10 @@ OTHER_FAMILIES = (
 
 
 def test_two_ranks_give_the_whole_models_logits_for_the_moe_gemma_and_phi3_families(tmp_path, tiny_checkpoint):
-    paths = [tiny_checkpoint(kind) for kind in OTHER_FAMILIES]
-    for kind, path, got in zip(OTHER_FAMILIES, paths, tensor_parallel_logits_of(paths, tmp_path)):
+    """... and gpt-oss's MXFP4 experts, sliced after dequantization."""
+    mxfp4 = _mxfp4_twins(tiny_checkpoint("gpt_oss"), tmp_path / "gpt_oss_mxfp4")[1]
+    kinds, paths = (*OTHER_FAMILIES, "gpt_oss MXFP4"), [*(tiny_checkpoint(kind) for kind in OTHER_FAMILIES), mxfp4]
+    for kind, path, got in zip(kinds, paths, tensor_parallel_logits_of(paths, tmp_path)):
         want = prefill_logits(path, prompts())
         for logits in got:
             assert logits.shape == want.shape, kind
