@@ -58,8 +58,8 @@ ENGINE_ARG_HELP = {
                     "checkpoint (fp8 checkpoints are fp8 without it); needs an NVIDIA GPU of compute capability "
                     "8.9+ (Ada, Hopper); on CPU a reference path runs",
     "kv_cache_dtype": "auto: the KV cache in the model's dtype; fp8: e4m3 with a scale per layer, twice the tokens",
-    "tensor_parallel_size": "GPUs one engine replica spans (its layers sharded across them; the Llama family: "
-                            "Llama, Qwen2, Qwen3, Mistral); on CPU, processes over gloo",
+    "tensor_parallel_size": "GPUs one engine replica spans (its layers and MoE experts sharded across them; every "
+                            "family but GPT-2); on CPU, processes over gloo",
     "kv_cache_scale": "fp8 KV cache: the scale of every layer's K and V (stored = value / scale; default: the "
                       "checkpoint's k_scale/v_scale, else 1.0)",
 }

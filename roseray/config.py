@@ -82,7 +82,7 @@ class EngineConfig:
     # fp8 KV: the scale of every layer's K and V (stored value = value / scale); None: the
     # checkpoint's k_scale / v_scale where it has them, else 1.0
     kv_cache_scale: float | None = None
-    # one engine replica across this many GPUs (ranks 1.. are worker processes; the Llama family shards)
+    # one engine replica across this many GPUs (ranks 1.. are worker processes; every family but GPT-2 shards)
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

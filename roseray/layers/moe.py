@@ -11,6 +11,12 @@ store one tensor per expert and projection load as shards `(leaf, expert, part)`
 tokens), used on CPU and as the test reference for the fused kernel. On CUDA the experts run
 as roseray_kernels.fused_moe (two grouped GEMM launches, no host syncs: CUDA-graph capturable);
 the router stays torch.
+
+Under tensor parallelism (roseray.distributed) each rank keeps every expert but 1/N of its
+intermediate dimension: its share of the gate rows and of the up rows of `w13` (still gate
+rows then up rows), the matching columns of `w2` and entries of `b13`; `b2` is kept on rank 0
+only (zeros elsewhere). Each rank's output is then a partial sum that the model all-reduces
+once per MLP, with the router replicated so that every rank routes alike.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roseray.distributed import TensorParallel
 from roseray.layers import fused
 from roseray.layers.activation import get_activation
+from roseray.layers.tensor_parallel import split_part
 
 # get_activation() names -> the fused kernel's activations (the same functions)
 KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
@@ -82,12 +90,18 @@ def moe_reference(
 
 
 class FusedMoE(nn.Module):
-    """The experts of one MoE block (the router is the model's: it owns the logits' linear)."""
+    """The experts of one MoE block (the router is the model's: it owns the logits' linear).
+    `intermediate_size` is the model's; under tensor parallelism `tp` this rank holds its share
+    (`intermediate_size` below) and forward returns this rank's partial sum."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
-                 renormalize: bool = True, activation: ExpertActivation | None = None, bias: bool = False) -> None:
+                 renormalize: bool = True, activation: ExpertActivation | None = None, bias: bool = False,
+                 tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.inter_shard = split_part(intermediate_size, tp, "MoE intermediate size")
+        self.rank = tp.rank
+        intermediate_size = self.inter_shard.local  # this rank's, from here on
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.activation = activation or ExpertActivation()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
@@ -136,3 +150,18 @@ class FusedMoE(nn.Module):
         if leaf in ("w13", "b13"):
             return param[expert].narrow(0, part * self.intermediate_size, self.intermediate_size)
         return param[expert]
+
+    def adapt_checkpoint_tensor(self, leaf: str, shard: tuple[str, int, int], tensor: torch.Tensor,
+                                shape: torch.Size) -> torch.Tensor:
+        """This rank's slice of one expert's checkpoint tensor: gate or up rows (w13, b13), down
+        columns (w2); b2 whole on rank 0, zeros elsewhere (the all-reduce adds it once)."""
+        part = self.inter_shard
+        if leaf == "b2":
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)
+        if part.local == part.full:
+            return tensor
+        if leaf in ("w13", "b13") and tensor.shape[0] == part.full:
+            return tensor.narrow(0, part.start, part.local)
+        if leaf == "w2" and tensor.shape[-1] == part.full:
+            return tensor.narrow(-1, part.start, part.local)
+        return tensor

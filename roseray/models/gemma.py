@@ -29,9 +29,8 @@ from roseray.config import ModelConfig
 from roseray.layers.linear import WeightEntry
 from roseray.layers.norms import RMSNorm
 from roseray.layers.rotary import RotaryEmbedding
-from roseray.layers.vocab import vocab_parameter
 from roseray.models.hf_fields import decoder_geometry, layer_types, rope
-from roseray.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from roseray.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, make_embedding
 
 GEMMA3 = "Gemma3ForCausalLM"
 # transformers' defaults for what older config.json files leave out
@@ -68,8 +67,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=vocab_parameter(config.vocab_size, config.hidden_size))
+        self.embed_tokens = make_embedding(config)
         # sqrt(hidden_size) rounded to the model's dtype, as transformers multiplies it
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         self.rotary_emb = RotaryEmbedding(
@@ -98,7 +96,8 @@ class GemmaModel(nn.Module):
 
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM): llama.py's attention,
-    MLP, lm_head and checkpoint names around Gemma's own decoder stack."""
+    MLP, embedding, lm_head and checkpoint names around Gemma's own decoder stack (so it shards
+    under tensor parallelism as the Llama family does)."""
 
     def make_model(self, config: ModelConfig) -> nn.Module:
         return GemmaModel(config)

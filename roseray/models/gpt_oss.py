@@ -12,6 +12,10 @@ checkpoints store the two matrices in MXFP4 instead, as `gate_up_proj_blocks` / 
 (rows = hidden, columns = inter), everything else in bf16. Both load into FusedMoE's
 [E, 2 * inter, hidden] (gate rows, then up rows) and [E, hidden, inter]; MXFP4 is dequantized
 at load, one expert at a time on the load device, into the model's dtype.
+
+Under tensor parallelism each rank keeps the sinks of its own query heads, its slice of every
+expert (after MXFP4 dequantization: roseray.layers.moe.FusedMoE) and the whole router (with its
+bias); the MoE block's output is all-reduced once.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import torch
 from torch import nn
 
 from roseray.config import ModelConfig, MoEConfig
+from roseray.distributed import all_reduce, tensor_parallel
 from roseray.layers.linear import WeightEntry
 from roseray.layers.moe import ExpertActivation, FusedMoE
+from roseray.layers.tensor_parallel import split_part
 from roseray.models.hf_fields import decoder_geometry, first, layer_types, rope
 from roseray.models.llama import LlamaForCausalLM
 from roseray.models.mxfp4 import dequantize_mxfp4
@@ -49,10 +55,11 @@ class GptOssMoE(nn.Module):
         activation = ExpertActivation("swiglu_clamped", alpha=float(config.hf_config.get("swiglu_alpha", 1.702)),
                                       limit=float(config.hf_config.get("swiglu_limit", 7.0)))  # fmt: skip
         self.experts = FusedMoE(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,
-                                renormalize=moe.renormalize, activation=activation, bias=True)  # fmt: skip
+                                renormalize=moe.renormalize, activation=activation, bias=True,
+                                tp=tensor_parallel())  # fmt: skip
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden, self.router(hidden))
+        return all_reduce(self.experts(hidden, self.router(hidden)))
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -68,7 +75,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
             experts = _EXPERTS.match(name)
             if experts is None:
                 if name.endswith(".self_attn.sinks"):
-                    yield WeightEntry(name, name.replace(".sinks", ".attn.sinks"), None, tensor)
+                    yield WeightEntry(name, name.replace(".sinks", ".attn.sinks"), None, self._rank_heads(tensor))
                 else:
                     yield from super()._entries([(name, tensor)])
                 continue
@@ -87,6 +94,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if pending:
             names = sorted(name for halves in pending.values() for name, _ in halves.values())
             raise ValueError(f"MXFP4 weight(s) without their blocks/scales pair in the checkpoint: {', '.join(names)}")
+
+    def _rank_heads(self, sinks: torch.Tensor) -> torch.Tensor:
+        """The sink logits of this rank's query heads (all of them outside tensor parallelism)."""
+        heads = split_part(self.config.num_attention_heads, tensor_parallel(), "attention heads")
+        return sinks.narrow(0, heads.start, heads.local) if sinks.shape[0] == heads.full else sinks
 
     def _mxfp4_entries(self, target: str, blocks: tuple[str, torch.Tensor],
                        scales: torch.Tensor) -> Iterator[WeightEntry]:

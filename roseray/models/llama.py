@@ -128,15 +128,19 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def make_embedding(config: ModelConfig) -> nn.Module:
+    """The token embeddings: vocabulary-parallel under tensor parallelism, else whole (rows padded)."""
+    tp = tensor_parallel()
+    if tp.size > 1:
+        return VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+    return nn.Embedding(config.vocab_size, config.hidden_size,
+                        _weight=vocab_parameter(config.vocab_size, config.hidden_size))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, make_mlp: MLPFactory) -> None:
         super().__init__()
-        tp = tensor_parallel()
-        if tp.size > 1:
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        else:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                             _weight=vocab_parameter(config.vocab_size, config.hidden_size))
+        self.embed_tokens = make_embedding(config)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )

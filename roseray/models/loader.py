@@ -195,8 +195,9 @@ def load_model(
     return model.eval()
 
 
-# model families whose layers shard across a tensor-parallel group (roseray.layers.tensor_parallel)
-TENSOR_PARALLEL_FAMILIES = ("llama",)
+# model families whose layers shard across a tensor-parallel group (roseray.layers.tensor_parallel; MoE
+# experts: roseray.layers.moe); GPT-2 does not
+TENSOR_PARALLEL_FAMILIES = ("llama", "qwen3_moe", "mixtral", "gpt_oss", "gemma", "phi3")
 
 
 def check_tensor_parallel(model_config: ModelConfig, fp8_checkpoint_weights: bool) -> None:
@@ -205,7 +206,8 @@ def check_tensor_parallel(model_config: ModelConfig, fp8_checkpoint_weights: boo
         return
     if model_config.architecture not in TENSOR_PARALLEL_FAMILIES:
         raise ValueError(f"tensor_parallel_size {size}: {model_config.hf_architecture} does not shard yet; tensor "
-                         "parallelism runs the dense Llama family (Llama, Qwen2, Qwen3, Mistral)")
+                         "parallelism runs the Llama family (Llama, Qwen2, Qwen3, Mistral), Qwen3-MoE, Mixtral, "
+                         "gpt-oss, Gemma 2/3 and Phi-3")
     if fp8_checkpoint_weights:
         raise ValueError(f"tensor_parallel_size {size} with an fp8 checkpoint is unsupported; load the bf16 "
                          "checkpoint with quantization: fp8 (each rank quantizes its shard)")

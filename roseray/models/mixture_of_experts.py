@@ -14,6 +14,9 @@ transformers writes them with save_original_format=False, stacked per layer:
 `mlp.experts.gate_up_proj` [experts, 2 * intermediate, hidden] (gate rows then up rows) and
 `mlp.experts.down_proj` [experts, hidden, intermediate]. Both load into FusedMoE's stacked
 `w13` / `w2`; Mixtral's `block_sparse_moe` is this module's `mlp`.
+
+Under tensor parallelism the router is replicated, each rank holds its slice of every expert's
+intermediate dimension (FusedMoE) and the block's output is all-reduced once, as the dense MLP's.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 from roseray.config import ModelConfig, MoEConfig
+from roseray.distributed import all_reduce, tensor_parallel
 from roseray.layers.linear import WeightEntry
 from roseray.layers.moe import ExpertActivation, FusedMoE
 from roseray.models import llama
@@ -54,10 +58,11 @@ class SparseMoEBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
         self.gate.keep_unquantized = True  # the router stays in the model's dtype under fp8
         self.experts = FusedMoE(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,
-                                renormalize=moe.renormalize, activation=ExpertActivation(config.hidden_act))
+                                renormalize=moe.renormalize, activation=ExpertActivation(config.hidden_act),
+                                tp=tensor_parallel())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden, self.gate(hidden))  # router logits [num_tokens, num_experts]
+        return all_reduce(self.experts(hidden, self.gate(hidden)))  # router logits [num_tokens, num_experts]
 
 
 def is_sparse_layer(config: ModelConfig, layer_index: int) -> bool:

@@ -4,7 +4,9 @@ LongRoPE scaling for the long-context variants (roseray.layers.rotary: the long 
 factors are chosen once, by the model's context length).
 
 The checkpoint's `qkv_proj` and `gate_up_proj` have the layout of roseray's MergedLinear
-(q rows, then k, then v; gate rows, then up), so loading hands each one over as its shards.
+(q rows, then k, then v; gate rows, then up), so loading hands each one over as its shards:
+the whole checkpoint part each, which a tensor-parallel rank then narrows to its own rows
+(roseray.layers.tensor_parallel.ColumnParallelLinear).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from roseray.layers.linear import MergedLinear, WeightEntry
+from roseray.layers.linear import WeightEntry
+from roseray.layers.tensor_parallel import ColumnParallelLinear
 from roseray.models.hf_fields import decoder_geometry, layer_types, rope
 from roseray.models.llama import LlamaForCausalLM
 
@@ -28,15 +31,15 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         for entry in super()._entries(weights):
             owner_name, _, leaf = entry.param_name.rpartition(".")
             owner = self._module(owner_name) if entry.shard is None else None
-            if not isinstance(owner, MergedLinear):
+            if not isinstance(owner, ColumnParallelLinear):
                 yield entry
                 continue
-            rows = sum(owner.output_sizes)
-            if entry.tensor.shape[0] != rows:
+            sizes = [part.full for part in owner.parts]  # the checkpoint's rows of each part
+            if entry.tensor.shape[0] != sum(sizes):
                 raise ValueError(f"weight {entry.checkpoint_name!r} has shape {tuple(entry.tensor.shape)}, "
-                                 f"expected {rows} rows (does config.json match the checkpoint?)")
-            for index in owner.checkpoint_shards(leaf):
-                yield WeightEntry(entry.checkpoint_name, entry.param_name, index, owner.shard(entry.tensor, index))
+                                 f"expected {sum(sizes)} rows (does config.json match the checkpoint?)")
+            for index, part in enumerate(entry.tensor.split(sizes)):
+                yield WeightEntry(entry.checkpoint_name, entry.param_name, index, part)
 
     def _module(self, name: str) -> nn.Module | None:
         try:

@@ -1,5 +1,6 @@
 """The engine at tensor_parallel_size 2 on CPU (rank 0 here, one worker process over gloo): greedy
-ids equal transformers' generate under batching, chunked prefill, prefix caching and preemption;
+ids equal transformers' generate under batching, chunked prefill, prefix caching and preemption
+(Llama, Qwen3; the other families that shard equal the one-rank engine's);
 tokens sampled on rank 0 (a top-k-1 sampler, not the argmax path) reach the worker; the worker
 stops with the engine."""
 
@@ -44,10 +45,12 @@ def tiny(request, tmp_path_factory):
     return path, greedy
 
 
-def run(path, batches, params=GREEDY, **engine_args):
-    """Each batch generated in turn by one TP=2 engine; all outputs, and the engine's stats."""
+def run(path, batches, params=GREEDY, completions=False, **engine_args):
+    """Each batch generated in turn by one TP=2 engine; all outputs' token ids (their completions with
+    `completions`), and the engine's stats."""
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, tensor_parallel_size=2, **engine_args)
-    got = [o.outputs[0].token_ids for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
+    got = [o.outputs[0] for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
+    got = got if completions else [c.token_ids for c in got]
     llm.engine.check_integrity()
     stats = llm.engine.get_stats()
     workers = llm.engine.tp_workers.processes
@@ -79,6 +82,33 @@ def test_tokens_sampled_on_rank_0_reach_the_worker(tiny):
     top1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_NEW, ignore_eos=True, seed=0)
     got, _ = run(path, [batch], params=top1)
     assert got == [greedy(p) for p in batch]
+
+
+# The families beyond Llama/Qwen3 that shard: MoE experts (Qwen3-MoE with a dense layer, Mixtral's windows),
+# gpt-oss (sinks, expert biases, windows), Gemma 2/3 (softcaps, windows), Phi-3 (fused checkpoint tensors).
+OTHER_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "gemma2", "gemma3", "phi3")
+
+
+@pytest.mark.parametrize("kind", OTHER_FAMILIES)
+def test_other_families_equal_one_rank_under_chunked_prefill_and_preemption(kind, tiny_checkpoint):
+    """Prompts past the tiny models' 8-token windows, prefilled in 7-token chunks with a prefix shared
+    and too few KV blocks for them all: TP=2's greedy ids are TP=1's (whose parity with transformers
+    tests/models/test_models.py checks), and so are its top logprobs (the tiny gpt-oss repeats one
+    token whatever its sinks: the logprobs show them)."""
+    path = tiny_checkpoint(kind)
+    shared = prompts(1, 13, 13, seed=3)[0]
+    batch = [shared + tail for tail in prompts(3, 1, 6, seed=4)] + prompts(3, 10, 20, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    got, stats = run(path, [batch[:1], batch[1:]], params, completions=True, max_num_batched_tokens=7,
+                     num_kv_blocks=16, max_num_seqs=6)
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
+    one = LLM(str(path), device="cpu", dtype="float32", block_size=4)
+    want = [o.outputs[0] for o in one.generate(batch, params, use_tqdm=False)]
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for g, w in zip(got, want):
+        for got_step, want_step in zip(g.logprobs, w.logprobs, strict=True):
+            assert got_step.keys() == want_step.keys()
+            assert all(abs(got_step[t] - want_step[t]) < 1e-4 for t in want_step), (got_step, want_step)
 
 
 def test_a_worker_that_dies_fails_the_next_step_with_its_rank_named(tiny):

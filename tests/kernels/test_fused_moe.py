@@ -11,9 +11,12 @@ import importlib
 
 import pytest
 import torch
+from torch import nn
 
+from roseray.distributed import TensorParallel
 from roseray.layers.activation import _ACTIVATIONS
 from roseray.layers.fused import fused_kernels
+from roseray.layers.linear import WeightEntry, load_weight_entries
 from roseray.layers.moe import KERNEL_ACTIVATIONS, ExpertActivation, FusedMoE, moe_reference, route
 from roseray_kernels.fused_moe import GemmTile, MoETiles, fused_moe
 from roseray_kernels.moe_align import align_torch, align_triton, moe_align
@@ -201,6 +204,63 @@ def test_layer_takes_the_triton_path_when_fused_kernels_are_on(activation, bias)
         got = layer(hidden, logits)
     assert rel_err(got, want) < 1e-5
     assert not torch.equal(got, torch.zeros_like(got))
+
+
+# --- tensor parallelism: each rank's slice of the intermediate dimension -----------------
+
+def sharded_layers(size, inter, bias, activation):
+    """The whole layer and its `size` rank shards, all loaded through the checkpoint protocol from the
+    same per-expert tensors (as a model's loader does: roseray.layers.linear.load_weight_entries)."""
+    num_experts, hidden_size = 8, 32
+    w13, w2, b13, b2 = [None if t is None else t.cpu() for t in make_experts(num_experts, hidden_size, inter, bias,
+                                                                             seed=7)]
+    layers = []
+    for tp in [TensorParallel()] + [TensorParallel(rank, size) for rank in range(size)]:
+        holder = nn.Module()
+        holder.experts = FusedMoE(num_experts, 3, hidden_size, inter, activation=activation, bias=bias, tp=tp)
+        entries = []
+        for e in range(num_experts):
+            for part, rows in enumerate(w13[e].split(inter)):
+                entries.append(WeightEntry("w13", "experts.w13", ("w13", e, part), rows))
+            entries.append(WeightEntry("w2", "experts.w2", ("w2", e, 0), w2[e]))
+            if bias:
+                for part, rows in enumerate(b13[e].split(inter)):
+                    entries.append(WeightEntry("b13", "experts.b13", ("b13", e, part), rows))
+                entries.append(WeightEntry("b2", "experts.b2", ("b2", e, 0), b2[e]))
+        load_weight_entries(holder, entries)
+        layers.append(holder.experts.to(DEVICE))
+    return layers[0], layers[1:]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "triton"])
+@pytest.mark.parametrize("activation,bias", [(ExpertActivation("silu"), False),
+                                             (ExpertActivation("swiglu_clamped", limit=1.0), True)])
+def test_tensor_parallel_shards_sum_to_the_whole_layer(fused, activation, bias):
+    """Two ranks of 20 intermediate rows each (no multiple of any tile: the kernel's masks), b2 on rank 0
+    only: the ranks' outputs (their all-reduce) sum to the whole layer's."""
+    whole, shards = sharded_layers(2, 40, bias, activation)
+    assert [s.w13.shape[1] for s in shards] == [40, 40] and [s.w2.shape[2] for s in shards] == [20, 20]
+    gen = torch.Generator().manual_seed(8)
+    hidden, logits = torch.randn(9, 32, generator=gen).to(DEVICE), torch.randn(9, 8, generator=gen).to(DEVICE)
+    with fused_kernels(False):
+        want = whole(hidden, logits)
+    with fused_kernels(fused):
+        got = [shard(hidden, logits) for shard in shards]
+    assert rel_err(got[0] + got[1], want) < 1e-5
+    assert min(rel_err(g, want) for g in got) > 0.1  # each rank alone is a partial sum
+
+
+def test_tensor_parallel_fp8_experts_quantize_each_shard_per_row():
+    """Quantized after each rank keeps its slice: a shard's gate|up rows and their scales are the whole
+    layer's (a scale per expert and row); down rows keep a scale over the shard's columns."""
+    whole, shards = sharded_layers(2, 40, False, ExpertActivation("silu"))
+    for layer in (whole, *shards):
+        layer.quantize_fp8()
+    for rank, shard in enumerate(shards):
+        rows = torch.cat([torch.arange(20) + 20 * rank, torch.arange(20) + 40 + 20 * rank]).to(DEVICE)
+        assert torch.equal(shard.w13_scale, whole.w13_scale[:, rows])
+        assert torch.equal(shard.w13.view(torch.uint8), whole.w13[:, rows].view(torch.uint8))
+        assert shard.w2_scale.shape == whole.w2_scale.shape
 
 
 # --- CUDA: the Qwen3-30B-A3B experts in bf16, and graph capture ---------------------------
