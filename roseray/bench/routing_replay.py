@@ -97,6 +97,7 @@ class Replay:
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.workload, self.model, self.request_timeout_s = workload, model, request_timeout_s
         self.sent: dict[str, Sent] = {}
+        self.idle_ttft_s: list[float] = []  # the warm-up requests' TTFT, on the idle server
 
     def body(self, prompt: list[int], max_tokens: int) -> bytes:
         return encode_post(self.host, self.port, "/v1/completions", {
@@ -128,7 +129,10 @@ class Replay:
         for i in range(warmup):  # the HTTP path warmed up, a few blocks of cache used
             connection = await StreamConnection.open(self.host, self.port)
             try:
-                await connection.request(self.body([1 + i, 2, 3, 4], 2))
+                sent = time.monotonic()
+                answer = await connection.request(self.body([1 + i, 2, 3, 4], 2))
+                if answer.event_times:  # the floor under every TTFT: HTTP, routing, one tiny step
+                    self.idle_ttft_s.append(answer.event_times[0] - sent)
             finally:
                 connection.close()
         specs = self.workload.specs
@@ -164,6 +168,7 @@ class Replay:
             extra={"errors": [r.error for r in records if r.error][:10],
                    "num_errors": sum(r.error is not None for r in records),
                    "send_lag_p99_ms": float(np.percentile(send_lag, 99) * 1e3) if send_lag else math.nan,
+                   "idle_ttft_ms": float(np.median(self.idle_ttft_s) * 1e3) if self.idle_ttft_s else math.nan,
                    "replicas_seen": sorted(per_replica)})
 
 
@@ -243,8 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     start = asyncio.run(replay.run(args.warmup))
     result = replay.result(start, args.policy, args.replicas, args.qps, time.perf_counter() - started)
-    measured = {**result.summary(), **{k: result.extra[k] for k in ("num_errors", "send_lag_p99_ms", "replicas_seen")}}
+    measured = {**result.summary(), **{k: result.extra[k] for k in ("num_errors", "send_lag_p99_ms", "idle_ttft_ms",
+                                                                    "replicas_seen")}}
     print("\nmeasured:\n" + format_table([measured], COLUMNS_REPLAY))
+    print(f"TTFT on the idle server (HTTP, routing, one tiny step): {measured['idle_ttft_ms']:.1f} ms; "
+          f"sends late by up to {measured['send_lag_p99_ms']:.1f} ms (p99); replicas: {measured['replicas_seen']}")
     if result.extra["num_errors"]:
         print(f"\n{result.extra['num_errors']} requests failed, e.g.: " + "; ".join(result.extra["errors"][:3]))
     output = {"args": vars(args), "measured": measured}

@@ -30,7 +30,7 @@ def test_replay_against_a_server_and_compare_with_the_simulator(tmp_path, capsys
     result = json.loads(out.read_text())
     measured, simulated = result["measured"], result["simulated"]
     assert measured["requests"] >= 5 and measured["finished"] == measured["requests"]  # each got max_tokens
-    assert measured["num_errors"] == 0 and measured["replicas_seen"] == [REPLICA]
+    assert measured["num_errors"] == 0 and measured["idle_ttft_ms"] > 0 and measured["replicas_seen"] == [REPLICA]
     assert {name for name, _ in COLUMNS} <= set(measured) and {name for name, _ in COLUMNS} <= set(simulated)
     assert simulated["requests"] == measured["requests"] and simulated["finished"] == simulated["requests"]
     assert 0 < measured["ttft_p50_s"] <= measured["ttft_p90_s"] and measured["output_tok_s"] > 0
