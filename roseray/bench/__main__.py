@@ -14,6 +14,8 @@ BENCHMARKS = {
     "structured": ("roseray.bench.structured", "json_schema responses vs unconstrained, against any OpenAI server"),
     "json-tokenizer": ("roseray.bench.json_tokenizer", "a byte-level BPE tokenizer for W-json on random weights"),
     "routing-sim": ("roseray.bench.routing_sim_cli", "routing policies over N simulated replicas (real scheduler)"),
+    "step-time": ("roseray.bench.step_time_fit", "engine step times by shape, fit of routing-sim's step-time model"),
+    "routing-replay": ("roseray.bench.routing_replay", "routing-sim's workload against a real server (--compare-sim)"),
 }
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from roseray.bench.routing_policies import RouteRequest
-from roseray.bench.routing_step_time import StepTimeModel
+from roseray.bench.routing_step_time import StepTimeModel, step_shape
 from roseray.engine.block_manager import BlockManager
 from roseray.engine.request import Request, RequestStatus
 from roseray.engine.scheduler import Scheduler, SchedulerOutput
@@ -141,16 +141,7 @@ class SimReplica:
         if not batch:
             return None
         self.batch = batch
-        num_sampled, pairs, decode_ctx = 0, 0.0, 0
-        for req, num_new in zip(batch.requests, batch.num_new_tokens):
-            computed = req.num_computed_tokens
-            if computed + num_new == req.num_tokens:
-                num_sampled += 1
-            if num_new == 1 and computed >= req.num_prompt_tokens:
-                decode_ctx += computed + 1
-            else:
-                pairs += num_new * (computed + num_new / 2)
-        seconds = self.model.step_seconds(batch.num_tokens, num_sampled, pairs, decode_ctx)
+        seconds = self.model.shape_seconds(step_shape(batch))
         self.busy_s += seconds
         return seconds
 

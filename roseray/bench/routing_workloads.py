@@ -12,6 +12,9 @@ thousands of 6k-token prompts would not fit in memory at once.
   a new user message (the answer ids are the ones the simulator emits for turn k-1). Turns
   follow each other `turn_gap_s` apart whether or not the previous one has finished.
 - no-sharing: random prompts of the multi-tenant's length and outputs: nothing to cache.
+
+Token ids are drawn from [1, vocab): VOCAB fits the Qwen3 vocabulary (151,936); a replay on a
+model with a smaller one (routing_replay.py, the tests' tiny models) passes its own.
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ class SimRequestSpec:
     seed: int = 0
 
 
-def _ids(seed: tuple[int, ...], count: int) -> list[int]:
-    return np.random.default_rng(seed).integers(1, VOCAB, size=count).tolist()
+def _ids(seed: tuple[int, ...], count: int, vocab: int = VOCAB) -> list[int]:
+    return np.random.default_rng(seed).integers(1, vocab, size=count).tolist()
 
 
 class MultiTenantWorkload:
@@ -68,17 +71,17 @@ class MultiTenantWorkload:
 
     def __init__(self, shape: ArrivalShape, *, tenants: int = 150, prefix_tokens: int = 6000,
                  suffix_tokens: tuple[int, int] = (200, 400), output_tokens: tuple[int, int] = (100, 300),
-                 seed: int = 0) -> None:
-        self.seed, self.suffix_tokens = seed, suffix_tokens
+                 seed: int = 0, vocab: int = VOCAB) -> None:
+        self.seed, self.suffix_tokens, self.vocab = seed, suffix_tokens, vocab
         rng = np.random.default_rng((seed, 1))
-        self._prefixes = [_ids((seed, 2, t), prefix_tokens) for t in range(tenants)]
+        self._prefixes = [_ids((seed, 2, t), prefix_tokens, vocab) for t in range(tenants)]
         self.specs = [SimRequestSpec(f"mt-{i}", t, int(rng.integers(output_tokens[0], output_tokens[1] + 1)),
                                      int(rng.integers(tenants)), seed=i)
                       for i, t in enumerate(shape.arrivals(rng))]
 
     def prompt_ids(self, spec: SimRequestSpec) -> list[int]:
         rng = np.random.default_rng((self.seed, 3, spec.seed))
-        suffix = rng.integers(1, VOCAB, size=int(rng.integers(self.suffix_tokens[0], self.suffix_tokens[1] + 1)))
+        suffix = rng.integers(1, self.vocab, size=int(rng.integers(self.suffix_tokens[0], self.suffix_tokens[1] + 1)))
         return self._prefixes[spec.group] + suffix.tolist()
 
     def output_ids(self, spec: SimRequestSpec) -> list[int] | None:
@@ -89,8 +92,8 @@ class NoSharingWorkload:
     name = "no-sharing"
 
     def __init__(self, shape: ArrivalShape, *, prompt_tokens: tuple[int, int] = (6200, 6400),
-                 output_tokens: tuple[int, int] = (100, 300), seed: int = 0) -> None:
-        self.seed, self.prompt_tokens = seed, prompt_tokens
+                 output_tokens: tuple[int, int] = (100, 300), seed: int = 0, vocab: int = VOCAB) -> None:
+        self.seed, self.prompt_tokens, self.vocab = seed, prompt_tokens, vocab
         rng = np.random.default_rng((seed, 1))
         self.specs = [SimRequestSpec(f"ns-{i}", t, int(rng.integers(output_tokens[0], output_tokens[1] + 1)), -1,
                                      seed=i)
@@ -98,7 +101,7 @@ class NoSharingWorkload:
 
     def prompt_ids(self, spec: SimRequestSpec) -> list[int]:
         rng = np.random.default_rng((self.seed, 3, spec.seed))
-        return rng.integers(1, VOCAB, size=int(rng.integers(self.prompt_tokens[0],
+        return rng.integers(1, self.vocab, size=int(rng.integers(self.prompt_tokens[0],
                                                             self.prompt_tokens[1] + 1))).tolist()
 
     def output_ids(self, spec: SimRequestSpec) -> list[int] | None:
@@ -110,8 +113,8 @@ class MultiTurnWorkload:
 
     def __init__(self, shape: ArrivalShape, *, turns: int = 5, first_tokens: tuple[int, int] = (1000, 3000),
                  user_tokens: tuple[int, int] = (50, 300), output_tokens: tuple[int, int] = (100, 300),
-                 turn_gap_s: float = 8.0, seed: int = 0) -> None:
-        self.seed, self.first_tokens, self.user_tokens = seed, first_tokens, user_tokens
+                 turn_gap_s: float = 8.0, seed: int = 0, vocab: int = VOCAB) -> None:
+        self.seed, self.first_tokens, self.user_tokens, self.vocab = seed, first_tokens, user_tokens, vocab
         self.output_tokens = output_tokens
         rng = np.random.default_rng((seed, 1))
         specs = []
@@ -128,7 +131,7 @@ class MultiTurnWorkload:
     def _piece(self, kind: int, session: int, turn: int, bounds: tuple[int, int], count: int | None = None):
         rng = np.random.default_rng((self.seed, kind, session, turn))
         n = count if count is not None else int(rng.integers(bounds[0], bounds[1] + 1))
-        return rng.integers(1, VOCAB, size=n).tolist()
+        return rng.integers(1, self.vocab, size=n).tolist()
 
     def _answer(self, session: int, turn: int) -> list[int]:
         return self._piece(6, session, turn, (0, 0), self._answer_len(session, turn))
