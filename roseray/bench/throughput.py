@@ -31,6 +31,10 @@ def run_nano(model: str, num_seqs: int, engine_args: dict) -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     wall = time.perf_counter() - started
+    errors = sum(o.outputs[0].finish_reason == "error" for o in outputs)
+    if errors:
+        raise RuntimeError(f"{errors} of {len(outputs)} requests ended with an engine error (see the log): "
+                           "no throughput figure")
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     stats = llm.engine.get_stats()
     return {"workload": "W-nano", "model": model, "engine_args": engine_args, "num_seqs": num_seqs,

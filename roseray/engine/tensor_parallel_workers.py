@@ -17,6 +17,7 @@ and the CUDA graphs. Then it loops on StepChannel.recv until rank 0 sends STOP (
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -156,6 +157,7 @@ def _die_with(parent: int) -> None:
 def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, parent: int) -> None:
     """A worker rank: its model shard and runner, built as rank 0 builds its own, then steps."""
     _die_with(parent)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where this rank is now
     device = config.resolve_device()
     if device.type == "cuda":
         torch.cuda.set_device(rank)

@@ -22,8 +22,9 @@ def prompts(seed: int = 3) -> list[list[int]]:
 
 
 def run(path, batch, dtype, tp):
+    # max_num_seqs 32: six decode graphs, not twenty, per engine (the test builds four per kind)
     llm = LLM(str(path), device="cuda", dtype=dtype, tensor_parallel_size=tp, gpu_memory_utilization=0.3,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, max_num_seqs=32)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
     workers = llm.engine.tp_workers
     outputs = generate_and_free(llm, batch, params)
