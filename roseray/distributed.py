@@ -49,16 +49,13 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str | 
     return _CURRENT
 
 
-def shutdown_tensor_parallel() -> None:
-    """Leave the group (every rank once its last step is done, or when a rank is gone)."""
+def shutdown_tensor_parallel(abort: bool = False) -> None:
+    """Leave the group: every rank once its last step is done and (NCCL) its CUDA graphs that
+    captured the group's collectives are destroyed, for NCCL's teardown waits for both. `abort`
+    (a rank is gone): NCCL aborts the communicator instead of a teardown that would wait for it."""
     global _CURRENT
     if _CURRENT.size > 1 and dist.is_initialized():
-        if dist.get_backend(_CURRENT.group) == "nccl":
-            # NCCL's orderly teardown (destroy_process_group) hangs once CUDA graphs have captured the
-            # group's collectives; every rank is idle at this point (STOP was sent or a rank is dead),
-            # so each one aborts its communicator locally, which frees the group for a new one (after
-            # its queued collectives, STOP's broadcast included, have run)
-            torch.cuda.synchronize()
+        if abort and dist.get_backend(_CURRENT.group) == "nccl":
             dist.distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()

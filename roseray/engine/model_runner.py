@@ -30,6 +30,7 @@ from torch import nn
 from roseray.config import EngineConfig, ModelConfig
 from roseray.distributed import all_reduce_min
 from roseray.engine.block_manager import BlockManager
+from roseray.engine.captured_graphs import CapturedGraphs
 from roseray.engine.kv_cache import (
     allocate_kv_cache,
     choose_kv_cache_dtype,
@@ -108,15 +109,21 @@ class ModelRunner:
         # still in flight from here (`_decode_forward`).
         self.decode_tokens = torch.zeros(self.max_num_seqs, dtype=torch.int64, device=device)
         self._decode_qsl = torch.arange(self.max_num_seqs + 1, dtype=torch.int32, device=device)
-        self._graph_logits: dict[int, torch.Tensor] = {}  # each decode graph's logits output
 
         self.step_channel = None  # tensor parallelism: rank 0 sends each step's plan to the other ranks
         self.num_blocks = all_reduce_min(self._decide_num_blocks())  # every rank's cache holds the same blocks
         self.kv_cache = allocate_kv_cache(self.attention_layers, self.num_blocks, self.block_size, self.kv_cache_dtype,
                                           device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode-only steps, by batch size
-        self.piecewise: PiecewiseGraphs | None = None  # steps with prefill chunks, by token count
+        self.captured = CapturedGraphs()
         self.use_cuda_graphs = device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
+
+    @property
+    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        return self.captured.decode
+
+    @property
+    def piecewise(self) -> PiecewiseGraphs | None:
+        return self.captured.piecewise
 
     # ---- KV cache ----------------------------------------------------------------------
     @property
@@ -367,7 +374,7 @@ class ModelRunner:
         if bucket:
             self._g_tables[:bucket, :num_block_cols].copy_(tables)
             self.graphs[bucket].replay()
-            logits = self._graph_logits[bucket]
+            logits = self.captured.decode_logits[bucket]
         else:
             logits = self._decode_forward(num_rows, tables, max_seq_len)
         return logits[:num_seqs], self.decode_tokens[:num_seqs]
@@ -407,12 +414,13 @@ class ModelRunner:
         self.decode_layout.pad(self._device_buffer, 0, max_batch)  # the capture's forwards write nothing to the cache
         self._g_tables = torch.zeros((max_batch, self.max_blocks_per_seq), dtype=torch.int32, device=self.device)
         pool = None
+        logits = self.captured.decode_logits
         for bucket in reversed(self._buckets):  # largest first, so later graphs reuse its pool
             graph = torch.cuda.CUDAGraph()
             self._decode_forward(bucket, self._g_tables[:bucket], self.max_model_len)  # warm-up
             torch.cuda.synchronize(self.device)
             with torch.cuda.graph(graph, pool=pool):
-                self._graph_logits[bucket] = self._decode_forward(bucket, self._g_tables[:bucket], self.max_model_len)
+                logits[bucket] = self._decode_forward(bucket, self._g_tables[:bucket], self.max_model_len)
             pool = graph.pool() if pool is None else pool
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
@@ -421,6 +429,7 @@ class ModelRunner:
         max_tokens = min(self.max_num_tokens, self.config.cuda_graph_max_tokens)
         if max_tokens > 0:
             mc = self.model_config
-            self.piecewise = PiecewiseGraphs(self.model, self.backend, max_tokens, self.block_size,
-                                             self.attention_layers[0].num_heads, mc.head_dim, self.dtype, self.device)
-            self.piecewise.capture()
+            self.captured.piecewise = PiecewiseGraphs(self.model, self.backend, max_tokens, self.block_size,
+                                                      self.attention_layers[0].num_heads, mc.head_dim, self.dtype,
+                                                      self.device)
+            self.captured.piecewise.capture()

@@ -29,6 +29,7 @@ import torch
 
 from roseray.config import EngineConfig
 from roseray.distributed import broadcast, init_tensor_parallel, shutdown_tensor_parallel
+from roseray.engine.captured_graphs import CapturedGraphs
 from roseray.engine.model_runner import ModelRunner
 from roseray.engine.step_inputs import PLAN_LENGTHS, STOP, StepPlan
 from roseray.models.loader import load_model, load_model_config, resolve_max_model_len
@@ -113,7 +114,7 @@ class TensorParallelWorkers:
         """Give rank 0's runner the channel its steps go out on; stop the workers with the runner."""
         self.channel = runner.step_channel = StepChannel(runner.device, runner.max_num_seqs, self.processes)
         self._finalizer = weakref.finalize(runner, _stop, self.channel, runner._device_buffer, runner.decode_tokens,
-                                           self.processes)
+                                           runner.captured, self.processes)
 
     def stop(self) -> None:
         """Stop the workers and leave the group now (also at exit, or when the runner goes); once."""
@@ -121,16 +122,21 @@ class TensorParallelWorkers:
             self._finalizer()
 
 
-def _stop(channel: StepChannel, buffer: torch.Tensor, decode_tokens: torch.Tensor, processes: list) -> None:
-    """STOP to the workers, then every rank leaves the group (at once: rank 0 does not wait for its
-    workers to exit first), then the joins."""
+def _stop(channel: StepChannel, buffer: torch.Tensor, decode_tokens: torch.Tensor, captured: CapturedGraphs,
+          processes: list) -> None:
+    """STOP to the workers; then every rank destroys its CUDA graphs and leaves the group at once
+    (NCCL's teardown waits for both: rank 0 must not wait for its workers to exit first), then the
+    joins. With a rank gone the group is aborted instead (an orderly teardown would wait for it)."""
+    stopped = False
     try:
         if all(p.is_alive() for p in processes):
             channel.send((STOP, 0), buffer, None, decode_tokens)
+            stopped = True
     except RuntimeError:  # a worker went meanwhile: the others are terminated below
         pass
     finally:
-        shutdown_tensor_parallel()
+        captured.release(wait=stopped)
+        shutdown_tensor_parallel(abort=not stopped)
         for process in processes:
             process.join(JOIN_TIMEOUT_S)
             if process.is_alive():
@@ -180,4 +186,5 @@ def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, pa
             if plan[0] == STOP:
                 break
             runner.run_plan(plan, in_flight)
+    runner.captured.release()
     shutdown_tensor_parallel()
