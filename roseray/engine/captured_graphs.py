@@ -27,4 +27,6 @@ class CapturedGraphs:
             torch.cuda.synchronize()
         self.decode.clear()
         self.decode_logits.clear()
-        self.piecewise = None
+        if self.piecewise is not None:
+            self.piecewise.graphs.clear()  # destroyed now, whoever else still refers to the PiecewiseGraphs
+            self.piecewise = None
