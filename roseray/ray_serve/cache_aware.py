@@ -14,7 +14,11 @@ The weights, in units of one prompt block's prefill:
   * load_weight: what one request already at the replica costs the new one. A request ahead
     in the queue delays it by about one prefill of its own, and that prefill is only its
     uncached part: so by default load_weight is the running mean (EWMA, floor 1 block) of
-    the blocks the requests this router routed had still to prefill where they went. With
+    the blocks the requests this router routed had still to prefill at best, on the replica
+    holding most of their prefix. (Not where they went: under overload, queues differ by more
+    than that mean allows, requests go where their prefix is not, the mean grows, and more go
+    astray; in the routing simulator at 1.5x power-of-two's saturating load that spiral took
+    the prefix-cache hit rate from ~90% to ~75% and the throughput with it.) With
     long shared prefixes that mean is small, and a replica holding a request's prefix keeps
     it while its queue is up to about (blocks it saves) / (mean blocks prefilled) longer
     than another's; with unshared prompts it is one prompt, and load balances as kv_queue
@@ -38,7 +42,7 @@ class CacheAwareWeights:
     mean_prefill_blocks: float = 1.0  # the EWMA (its start: one block)
 
     def observe(self, prefill_blocks: int) -> None:
-        """Fold the blocks one routed request had still to prefill where it went into the mean."""
+        """Fold the blocks one routed request had still to prefill at best into the mean."""
         self.mean_prefill_blocks += self.mean_decay * (max(1, prefill_blocks) - self.mean_prefill_blocks)
 
     def load(self) -> float:

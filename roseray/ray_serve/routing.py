@@ -312,6 +312,10 @@ class RoutingPolicy:
             elif "batch" in entry:
                 index.apply(replica_id, KVEventBatch.from_dict(entry["batch"]), as_of=ts)  # one applied: skipped
 
+    def _cache_holders(self) -> set:
+        """Every replica whose cache this router knows something of (events or its own picks)."""
+        return set(self.kv_index.replicas()) | self._picked_chains.keys()
+
     def cached_blocks(self, replica_id, chain: tuple[int, ...], now: float) -> int:
         """The leading blocks of `chain` the replica holds (its events), or will hold (this
         router's picks sent there in the last `pick_cache_s`: a request's blocks reach the
@@ -388,7 +392,11 @@ class RoutingPolicy:
             chain = hint.prefix_hashes
             cached = self.cached_blocks(replica_id, chain, now)
             self._picks.setdefault(replica_id, _Picks()).picks.append((now, max(0, hint.need_blocks - cached)))
-            self.cache_aware.observe(max(hint.prompt_blocks, len(chain)) - cached)
+            # the load weight learns what a request needs to prefill at best (on the replica that
+            # holds most of its prefix), not where it went: a router that sent requests away from
+            # their prefix would otherwise raise its own load weight and send more away
+            best = max((self.cached_blocks(r, chain, now) for r in self._cache_holders()), default=cached)
+            self.cache_aware.observe(max(hint.prompt_blocks, len(chain)) - max(best, cached))
             if chain:
                 self._picked_chains.setdefault(replica_id, collections.deque()).append((now, chain))
             return

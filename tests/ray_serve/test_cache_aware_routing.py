@@ -178,6 +178,22 @@ def test_adaptive_load_weight_is_the_mean_of_blocks_prefilled():
     assert CacheAwareWeights(load_weight=3.0).load() == 3.0
 
 
+def test_the_adaptive_load_weight_learns_the_prefill_a_request_needs_at_best_not_where_it_went():
+    # every pick goes to the replica without the prefix (as an overloaded holder would force): the
+    # mean must stay at the 1 block left to prefill on the holder, not climb to the 21 prefilled
+    p = RoutingPolicy(policy="cache_aware", seed=0)
+    holder, other = holder_and_other(0)
+    p.rank([holder, other], HINT, now=1000.5)  # the Router's index learns both replicas' caches
+    for i in range(200):
+        p.record_pick("other", RoutingHint(need_blocks=23, prefix_hashes=CHAIN, prompt_blocks=21), now=1000.5 + i)
+    assert p.cache_aware.load() == pytest.approx(1.0)
+    # requests no replica holds any of (each its own prompt) need their whole prompt: the mean follows
+    for i in range(200):
+        fresh = tuple(block_chain([10_000 + i] * (20 * BLOCK), BLOCK))
+        p.record_pick("other", RoutingHint(need_blocks=23, prefix_hashes=fresh, prompt_blocks=21), now=2000.0 + i)
+    assert p.cache_aware.load() == pytest.approx(21, rel=0.01)
+
+
 def test_replicas_that_leave_are_forgotten_by_the_serve_router():
     router = KVQueueRequestRouter.__new__(KVQueueRequestRouter)  # the policy part, without a Serve runtime
     router.initialize_state(policy="cache_aware")
