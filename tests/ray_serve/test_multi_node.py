@@ -146,7 +146,8 @@ def test_two_nodes_serve_balance_and_survive_losing_the_worker(cluster):
             assert head_cut is None and "data: [DONE]" in head_lines, (head_cut, head_lines[-3:])
         print(f"the lost node's stream: cut ({worker_cut}) after {len(worker_lines)} lines; the worker's stats were "
               f"{age:.2f} s old at {picks[0][0]} s: set aside {set_aside_at:.2f} s after the loss "
-              f"(bound {ROUTER_SETS_ASIDE_S:.2f} s)")
+              f"(bound {ROUTER_SETS_ASIDE_S:.2f} s); the head's replica set aside "
+              f"{len([line for line in log_lines(nodes, head_replica) if 'sent no routing stats' in line])} times")
     finally:
         for opened in streams.values():
             for cm, _ in opened:
