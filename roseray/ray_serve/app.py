@@ -375,7 +375,8 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     if router_args.policy == "power_of_two":
         router_class: dict[str, Any] = {}  # RequestRouterConfig's default: Ray's PowerOfTwoChoicesRequestRouter
     else:
-        router_kwargs: dict[str, Any] = {"affinity_max_imbalance": router_args.affinity_max_imbalance}
+        router_kwargs: dict[str, Any] = {"affinity_max_imbalance": router_args.affinity_max_imbalance,
+                                         "stats_period_s": router_args.stats_period_s}
         if router_args.policy == "cache_aware":
             router_kwargs.update(policy="cache_aware", prefill_weight=router_args.prefill_weight,
                                  load_weight=router_args.load_weight)

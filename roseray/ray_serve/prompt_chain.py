@@ -32,7 +32,8 @@ from pydantic import ValidationError
 from roseray.engine.block_hash import block_chain
 from roseray.openai_api.prompt_ids import prompt_ids
 from roseray.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from roseray.ray_serve.routing import HintConfig, RoutingHint, _loads_or_head, _truncation_scale, hint_from_body
+from roseray.ray_serve.json_head import loads_or_head
+from roseray.ray_serve.routing import HintConfig, RoutingHint, _truncation_scale, hint_from_body
 from roseray.tokenizer import Tokenizer
 
 # the body fields that decide the prompt's token ids
@@ -54,7 +55,7 @@ class PromptChainer:
         try:
             data, parsed, cut = json.loads(body), len(body), False
         except ValueError:
-            (data, parsed), cut = _loads_or_head(body), True
+            (data, parsed), cut = loads_or_head(body), True
         if not isinstance(data, dict):
             return hint_from_body(b"", None, self.config)
         found = self._chain(data, cut)

@@ -23,16 +23,17 @@ prompt blocks still to prefill at the replica, by its exact cache contents, plus
 The contents come from the replicas' KV cache events (`"kv"` in their routing stats:
 kv_event_feed.py), which every policy feeds into `kv_index` (a KVCacheIndex), each stats
 dict once (by its `ts`); a replica that leaves is forgotten.
+
+Given `stats_period_s` (the app passes it), a replica whose stats stopped coming is not
+picked while others' are current (stats_freshness.py).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-import json
 import math
 import random
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,7 +43,9 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 from roseray.engine.kv_events import KVCacheSnapshot, KVEventBatch
 from roseray.ray_serve.cache_aware import CacheAwareWeights, common_prefix
+from roseray.ray_serve.json_head import loads_or_head
 from roseray.ray_serve.kv_index import KVCacheIndex
+from roseray.ray_serve.stats_freshness import StatsFreshness, stale_after_s
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ def hint_from_body(body: bytes, session_id: str | None, config: HintConfig,
     `truncated`: HAProxy's X-Body-Truncated header ("<forwarded>/<full>" bytes) when the body
     was longer than its buffer: the JSON is then closed where it was cut (the prompt's head
     still gives the affinity chain) and the prompt-size estimate is scaled to the full body."""
-    data, parsed = _loads_or_head(body)
+    data, parsed = loads_or_head(body)
     if not isinstance(data, dict):
         data = {}
     raw, size, prompt_tokens = _prompt_bytes(data, config)
@@ -120,106 +123,6 @@ def _truncation_scale(header: str | None, parsed: int, received: int) -> float:
         except ValueError:
             pass
     return max(1.0, full / parsed) if parsed > 0 else 1.0
-
-
-# JSON tokens: a string, an unterminated string running to the end (a cut body), punctuation,
-# a number or literal. Whitespace between tokens is skipped by finditer.
-_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"[^"\\]*(?:\\.[^"\\]*)*\\?\Z|[\[\]{},:]|[^\s\[\]{},:"]+')
-_HEX_TAIL = re.compile(r'u[0-9a-fA-F]{0,3}\Z')
-MAX_HEAD_CHARS = 32 * 1024  # of a cut body, what is parsed: more than the affinity chain can use
-
-
-def _loads_or_head(body: bytes) -> tuple[Any, int]:
-    """(json.loads(body), len(body)); for a body cut short (HAProxy forwards at most its
-    buffer), the JSON of its first MAX_HEAD_CHARS up to the last complete value, its open
-    string, arrays and objects closed, and how many bytes that read: the prompt's head
-    survives a cut inside the prompt. (None, 0) when nothing usable is left."""
-    if not body:
-        return None, 0
-    try:
-        return json.loads(body), len(body)
-    except ValueError:
-        pass
-    text = body[:MAX_HEAD_CHARS].decode("utf-8", errors="ignore")
-    closed = _close_json_head(text)
-    if closed is None:
-        return None, 0
-    try:
-        return json.loads(closed), min(len(body), MAX_HEAD_CHARS)
-    except ValueError:
-        return None, 0
-
-
-def _close_json_head(text: str) -> str | None:
-    """`text` (a JSON document cut short) cut back to its last complete value and closed.
-
-    A cut inside a string value keeps the string's head (less a half escape); a cut inside
-    a key, a number or a literal drops that member or element."""
-    stack: list[str] = []  # open "{" / "["
-    expect_key: list[bool] = []  # per open container: an object's next string is a key
-    cut = None  # (index, open containers there) just after the last complete value
-    for match in _JSON_TOKEN.finditer(text):
-        token, end = match.group(), match.end()
-        c = token[0]
-        if c == '"':
-            is_key = bool(stack) and stack[-1] == "{" and expect_key[-1]
-            if len(token) == 1 or token[-1] != '"' or end == len(text) and _unterminated(token):
-                if is_key or not stack:
-                    break
-                return text[:match.start()] + _drop_half_escape(token) + '"' + _closers(stack)
-            if stack and not is_key:
-                cut = (end, tuple(stack))
-        elif c in "{[":
-            stack.append(c)
-            expect_key.append(c == "{")
-        elif c in "}]":
-            if not stack:
-                return None
-            stack.pop()
-            expect_key.pop()
-            if not stack:
-                return text[:end]
-            cut = (end, tuple(stack))
-        elif c == ",":
-            if stack and stack[-1] == "{":
-                expect_key[-1] = True
-        elif c == ":":
-            if stack and stack[-1] == "{":
-                expect_key[-1] = False
-        else:  # a number or a literal: complete only if something follows it
-            if end == len(text):
-                break
-            if stack:
-                cut = (end, tuple(stack))
-    if cut is None:
-        return None
-    index, open_stack = cut
-    return text[:index] + _closers(list(open_stack))
-
-
-def _drop_half_escape(head: str) -> str:
-    """An unterminated string's head less a trailing half escape (a lone backslash, or a
-    backslash-u with fewer than four hex digits), so that a closing quote ends it."""
-    unicode_head = _HEX_TAIL.search(head[-4:])
-    end = len(head) - (len(unicode_head.group()) if unicode_head else 0)
-    run = end - len(head[:end].rstrip("\\"))
-    if run % 2 == 1:  # the last backslash escapes what was cut off
-        return head[:end - 1]
-    return head
-
-
-def _unterminated(token: str) -> bool:
-    """Whether a string token that ends the text lacks its closing quote (its last quote
-    is escaped by an odd run of backslashes, or it is the opening quote itself)."""
-    body = token[1:]
-    if not body.endswith('"'):
-        return True
-    run = len(body) - 1 - len(body[:-1].rstrip("\\"))
-    return run % 2 == 1
-
-
-def _closers(stack: list[str]) -> str:
-    return "".join("}" if c == "{" else "]" for c in reversed(stack))
 
 
 def _prompt_bytes(data: dict, config: HintConfig) -> tuple[bytes, int, int]:
@@ -260,7 +163,7 @@ class RoutingPolicy:
     def __init__(self, *, affinity_max_imbalance: int = 4, affinity_capacity: int = 100_000,
                  pick_grace_s: float = 0.2, unseen_pick_window_s: float = 2.0, seed: int | None = None,
                  policy: str = "kv_queue", prefill_weight: float = 1.0, load_weight: float | None = None,
-                 pick_cache_s: float = 2.0) -> None:
+                 pick_cache_s: float = 2.0, stats_period_s: float | None = None) -> None:
         if policy not in ("kv_queue", "cache_aware"):
             raise ValueError(f"policy must be kv_queue or cache_aware, got {policy!r}")
         self.cache_aware = CacheAwareWeights(prefill_weight, load_weight) if policy == "cache_aware" else None
@@ -276,6 +179,7 @@ class RoutingPolicy:
         self._picks: dict[Any, _Picks] = {}
         self._affinity: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self._rng = random.Random(seed)
+        self.freshness = StatsFreshness(stale_after_s(stats_period_s)) if stats_period_s else None
 
     def _pending(self, replica_id, stats: dict, now: float) -> tuple[int, int]:
         """(picks, blocks) sent to this replica after its latest snapshot was taken."""
@@ -355,6 +259,8 @@ class RoutingPolicy:
     def rank(self, candidates: list, hint: RoutingHint | None = None, now: float | None = None) -> list:
         hint = hint or RoutingHint()
         now = time.time() if now is None else now
+        if self.freshness is not None:
+            candidates = self.freshness.current(candidates, now)
         for replica in candidates:
             self.observe(replica)
         if self.cache_aware is not None:
@@ -408,7 +314,15 @@ class RoutingPolicy:
         while len(affinity) > self.affinity_capacity:
             affinity.popitem(last=False)
 
+    def note_stats(self, replicas: Iterable, now: float) -> None:
+        """The replicas' stats as they arrive (stats_freshness.py)."""
+        if self.freshness is not None:
+            for replica in replicas:
+                self.freshness.note(replica, now)
+
     def forget(self, live_replica_ids: set) -> None:
+        if self.freshness is not None:
+            self.freshness.forget(live_replica_ids)
         for replica_id in [r for r in self._picks if r not in live_replica_ids]:
             del self._picks[replica_id]
         for replica_id in [r for r in self.kv_index.replicas() if r not in live_replica_ids]:
@@ -446,3 +360,4 @@ class KVQueueRequestRouter(FIFOMixin, RequestRouter):
         super().update_replicas(replicas)
         if hasattr(self, "policy"):
             self.policy.forget({r.replica_id for r in replicas})
+            self.policy.note_stats(replicas, time.time())

@@ -1,5 +1,9 @@
 """What the Ray Serve tests share: waiting until HAProxy routes requests through the Router,
-and a Router endpoint app (no Ray) that always picks one replica."""
+the Router replicas' ports, and a Router endpoint app (no Ray) that always picks one replica."""
+
+import glob
+import os
+import re
 
 import httpx
 
@@ -43,3 +47,17 @@ def wait_for_routing(url: str, timeout_s: float = 60, headers: dict | None = Non
 
     wait_until(routed, timeout=timeout_s, interval=0.05,
                message=lambda: f"HAProxy routed requests through the Router; last: {last[0]}")
+
+
+def router_ports(state_dir: str, timeout_s: float = 60.0) -> set[int]:
+    """The Router replicas' ports, from the Lua script Serve writes for HAProxy (the controller's
+    ingress_request_router_targets; wiring._http_targets(app, routers=True) in a process connected to Ray),
+    once HAProxy's config lists them."""
+    def ports() -> set[int]:
+        found = set()
+        for path in glob.glob(os.path.join(state_dir, "**", "ingress_request_router.lua"), recursive=True):
+            with open(path) as f:
+                found |= {int(p) for p in re.findall(r"port = (\d+)", f.read())}
+        return found
+
+    return wait_until(ports, timeout_s, interval=0.2, message="a Router port in HAProxy's Lua")

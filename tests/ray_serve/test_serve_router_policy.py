@@ -58,11 +58,11 @@ def built_app(monkeypatch, policy: str | None):
 
 
 @pytest.mark.parametrize("policy, router_class, kwargs", [
-    (None, KVQueueRequestRouter, {"affinity_max_imbalance": 4}),
-    ("kv_queue", KVQueueRequestRouter, {"affinity_max_imbalance": 4}),
+    (None, KVQueueRequestRouter, {"affinity_max_imbalance": 4, "stats_period_s": 0.25}),
+    ("kv_queue", KVQueueRequestRouter, {"affinity_max_imbalance": 4, "stats_period_s": 0.25}),
     ("power_of_two", PowerOfTwoChoicesRequestRouter, {}),
-    ("cache_aware", KVQueueRequestRouter, {"affinity_max_imbalance": 4, "policy": "cache_aware",
-                                           "prefill_weight": 1.0, "load_weight": None}),
+    ("cache_aware", KVQueueRequestRouter, {"affinity_max_imbalance": 4, "stats_period_s": 0.25,
+                                           "policy": "cache_aware", "prefill_weight": 1.0, "load_weight": None}),
 ])
 def test_the_policy_picks_the_engine_deployments_request_router(monkeypatch, policy, router_class, kwargs):
     built = built_app(monkeypatch, policy)

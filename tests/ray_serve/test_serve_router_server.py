@@ -3,17 +3,14 @@ requests exactly as HAProxy's Lua writes them (HTTP/1.0, Connection: close, read
 real local Ray, that it has taken the Router replica's port over from Serve's server."""
 
 import asyncio
-import glob
 import json
-import os
-import re
 
 import pytest
 
 from roseray.ray_serve import router_server, wiring
 from roseray.ray_serve.ticket import TICKET_HEADER, TicketSigner
-from tests.ray_serve.helpers import PICK, SECRET, endpoint
-from tests.waiting import async_wait_until, wait_until
+from tests.ray_serve.helpers import PICK, SECRET, endpoint, router_ports
+from tests.waiting import async_wait_until
 
 
 def lua_request(body: bytes, request_id: str | None = "abc", extra: str = "") -> bytes:
@@ -164,7 +161,7 @@ def test_parse_head():
 def test_router_replicas_port_is_answered_by_the_lean_server(ray_serve_cluster):
     """In a real local Ray: the Router replica's own port (the controller's ingress_request_router
     targets, as HAProxy's Lua lists them) answers HAProxy's request from the lean server, not Serve's uvicorn."""
-    routers = _router_ports(ray_serve_cluster.state_dir)
+    routers = router_ports(ray_serve_cluster.state_dir)
     assert routers, "no Router replica in HAProxy's Lua"
     for port in routers:
         status, headers, body = parse(asyncio.run(_eventually_lean(port)))
@@ -181,20 +178,6 @@ async def _eventually_lean(port: int, timeout_s: float = 30.0) -> bytes:
         return answer if b"x-roseray-router: lean" in answer.partition(b"\r\n\r\n")[0].lower() else None
 
     return await async_wait_until(lean_answer, timeout_s, interval=0.2, message=f"the lean server on port {port}")
-
-
-def _router_ports(state_dir: str, timeout_s: float = 60.0) -> set[int]:
-    """The Router replicas' ports, from the Lua script Serve writes for HAProxy (the controller's
-    ingress_request_router_targets; wiring._http_targets(app, routers=True) in a process connected to Ray),
-    once HAProxy's config lists them."""
-    def ports() -> set[int]:
-        found = set()
-        for path in glob.glob(os.path.join(state_dir, "**", "ingress_request_router.lua"), recursive=True):
-            with open(path) as f:
-                found |= {int(p) for p in re.findall(r"port = (\d+)", f.read())}
-        return found
-
-    return wait_until(ports, timeout_s, interval=0.2, message="a Router port in HAProxy's Lua")
 
 
 @pytest.mark.parametrize("closable", [True, False])

@@ -5,6 +5,7 @@ routing hints from request bodies."""
 import asyncio
 import collections
 import json
+import logging
 from dataclasses import dataclass, field
 
 import pytest
@@ -195,3 +196,51 @@ def test_hint_from_a_cut_body_scales_the_prompt_estimate():
     unmarked = hint_from_body(body[: len(body) // 2], None, config)  # no header: what arrived is all
     assert unmarked.need_blocks <= whole.need_blocks // 2 + 1
     assert hint_from_body(body[:100], None, config, "100/oops").need_blocks == 6  # 89 characters, unscaled
+
+
+def test_a_replica_whose_stats_stopped_coming_is_not_picked_while_others_report(caplog):
+    """stats_freshness.py: with a 0.25 s stats period a replica is set aside 3 x 0.25 + 0.25 = 1 s after its
+    latest stats arrived (the Router's clock, not the stats' `ts`), only while another's stats are current,
+    and is picked again as soon as it reports."""
+    caplog.set_level(logging.INFO, logger="roseray.ray_serve.stats_freshness")
+    policy = RoutingPolicy(seed=0, stats_period_s=0.25)
+    assert policy.freshness.stale_after_s == pytest.approx(1.0)
+    idle, busy = Replica("idle", stats(queue=0, ts=5.0)), Replica("busy", stats(queue=3, ts=7.0))
+    ids = lambda ranked: [r.replica_id for r in ranked]  # noqa: E731
+    policy.note_stats([idle, busy], now=100.0)  # a broadcast: both arrive (their ts: other clocks, never compared)
+    assert ids(policy.rank([idle, busy], now=100.9)) == ["idle", "busy"]
+    busy.routing_stats = stats(queue=3, ts=7.3)  # busy reports again; idle does not
+    policy.note_stats([idle, busy], now=100.5)
+    assert ids(policy.rank([idle, busy], now=100.99)) == ["idle", "busy"]  # idle's stats are 0.99 s old
+    assert ids(policy.rank([idle, busy], now=101.01)) == ["busy"]  # 1.01 s: set aside
+    assert ids(policy.rank([busy, idle], now=101.3)) == ["busy"]
+    assert [r.levelname for r in caplog.records if "idle" in r.getMessage()] == ["WARNING"]  # said once
+    # every replica stale (the controller is slow, say): ranked as without the rule, never refused
+    assert ids(policy.rank([idle, busy], now=102.0)) == ["idle", "busy"]
+    # idle reports again: a candidate at once, and ranked first (shorter queue)
+    idle.routing_stats = stats(queue=0, ts=6.1)
+    assert ids(policy.rank([idle, busy], now=102.01)) == ["idle"]  # busy: last arrival 100.5, stale
+    busy.routing_stats = stats(queue=3, ts=8.9)
+    assert ids(policy.rank([idle, busy], now=102.02)) == ["idle", "busy"]
+    assert "idle reports routing stats again" in caplog.text
+    # a replica that never reported counts from when it was first seen
+    new = Replica("new", {})
+    assert sorted(ids(policy.rank([new, idle, busy], now=102.5))) == ["busy", "idle", "new"]
+    idle.routing_stats, busy.routing_stats = stats(queue=0, ts=6.5), stats(queue=3, ts=9.3)
+    policy.note_stats([new, idle, busy], now=103.4)
+    assert ids(policy.rank([new, idle, busy], now=103.6)) == ["idle", "busy"]  # new: 1.1 s and no stats
+    policy.forget({"idle", "busy"})
+    assert policy.freshness.set_aside == set()
+
+
+def test_stats_arrival_is_dated_when_it_arrives_not_at_the_next_ranking():
+    """Sparse traffic: stats noted as the broadcast brings them (update_replicas), so the first ranking after
+    a quiet spell still knows how long ago a replica last reported."""
+    policy = RoutingPolicy(seed=0, stats_period_s=0.5)  # set aside after 1.75 s
+    lost, live = Replica("lost", stats(queue=0, ts=1.0)), Replica("live", stats(queue=2, ts=1.0))
+    policy.note_stats([lost, live], now=10.0)
+    for t in (10.5, 11.0, 11.5, 12.0):  # only live keeps reporting; nothing is routed meanwhile
+        live.routing_stats = stats(queue=2, ts=t)
+        policy.note_stats([lost, live], now=t)
+    assert [r.replica_id for r in policy.rank([lost, live], now=12.1)] == ["live"]
+    assert [r.replica_id for r in RoutingPolicy(seed=0).rank([lost, live], now=12.1)] == ["lost", "live"]  # no rule
