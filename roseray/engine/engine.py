@@ -163,6 +163,11 @@ class LLMEngine:
         return (bool(self.requests) or bool(self._pending_deltas) or self._in_flight is not None
                 or self._held is not None)
 
+    def check_workers(self) -> float | None:
+        """RuntimeError naming a tensor-parallel rank that exited (the engine's loop ends on it: every later
+        step would fail); else how long an idle loop may wait before checking again (None: one rank)."""
+        return None if self.tp_workers is None else self.tp_workers.check()
+
     def _admit_compiled(self, deltas: list[RequestDelta]) -> None:
         """Schedule the constrained requests whose grammar is ready; end those whose grammar failed."""
         idle = (not self.scheduler.running and not self.scheduler.waiting and self._in_flight is None

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 HEADER = 24  # int64 slots: the plan (at most 18), then the in-flight mode and length
 NO_TOKENS, OWN_DECODE_TOKENS, SENT_TOKENS = 0, 1, 2  # what a step's in-flight tokens are on the workers
 JOIN_TIMEOUT_S = 30.0
+WORKER_CHECK_INTERVAL_S = 1.0  # how long an idle engine loop waits at most before it checks the workers again
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent exits
 
 
@@ -52,17 +53,9 @@ class StepChannel:
         self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)  # a worker's receive buffer
         self.processes = processes or []  # rank 0: the workers, checked before each step
 
-    def check_workers(self) -> None:
-        """RuntimeError naming a worker rank that exited: the step fails (its requests end with an
-        error) instead of waiting on a collective the dead rank never joins."""
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
-                                   "the engine replica must be restarted")
-
     def send(self, plan: StepPlan, buffer: torch.Tensor, in_flight: torch.Tensor | None,
              decode_tokens: torch.Tensor) -> None:
-        self.check_workers()
+        check_workers(self.processes)  # the step fails instead of waiting on a collective a dead rank never joins
         if in_flight is None:
             mode, count = NO_TOKENS, 0
         elif in_flight.data_ptr() == decode_tokens.data_ptr():  # every rank computed the same argmax
@@ -116,10 +109,25 @@ class TensorParallelWorkers:
         self._finalizer = weakref.finalize(runner, _stop, self.channel, runner._device_buffer, runner.decode_tokens,
                                            runner.captured, self.processes)
 
+    def check(self) -> float:
+        """RuntimeError naming a worker rank that exited; else how long an idle engine loop may wait
+        before it checks again (a dead rank must fail the health check with no request running)."""
+        check_workers(self.processes)
+        return WORKER_CHECK_INTERVAL_S
+
     def stop(self) -> None:
         """Stop the workers and leave the group now (also at exit, or when the runner goes); once."""
         if self._finalizer is not None:
             self._finalizer()
+
+
+def check_workers(processes: list) -> None:
+    """RuntimeError naming the first worker rank (of `processes`, ranks 1..N-1) that exited. Cheap:
+    a waitpid per worker."""
+    for rank, process in enumerate(processes, start=1):
+        if not process.is_alive():
+            raise RuntimeError(f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
+                               "the engine replica must be restarted")
 
 
 def _stop(channel: StepChannel, buffer: torch.Tensor, decode_tokens: torch.Tensor, captured: CapturedGraphs,

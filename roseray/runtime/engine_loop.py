@@ -2,7 +2,9 @@
 
 A client is the server process, or with `--api-processes N` one of N API processes (and a
 Ray replica's own). The loop steps the engine while it has requests, applies the clients'
-commands between steps (and blocks on the command pipes while idle), and sends each step's
+commands between steps (and blocks on the command pipes while idle: a tensor-parallel
+engine wakes every second to check its worker ranks, and a dead rank ends the loop with its
+error, as a failed step that a dead rank caused does), and sends each step's
 `StepOutputs` to every client that had a request in it: encoded and framed once, the same
 bytes to each. The engine names a request by its client's prefix and the client's handle
 (f"{index}.{handle}"; just the handle with one client), so each client keeps the deltas
@@ -176,7 +178,12 @@ def serve_clients(engine: LLMEngine, clients: list[ClientPipes]) -> None:
         client.detach(engine)
 
     while live:
-        for fd, _ in commands.poll(None if not engine.has_unfinished_requests() else 0):
+        if engine.has_unfinished_requests():
+            timeout_ms = 0
+        else:  # idle: a tensor-parallel engine wakes now and then to check its workers (a dead rank raises)
+            check_s = engine.check_workers()
+            timeout_ms = None if check_s is None else int(check_s * 1000)
+        for fd, _ in commands.poll(timeout_ms):
             client = live[fd]  # only its own client detaches in this loop
             try:
                 while client.has_command():
@@ -215,3 +222,5 @@ def serve_clients(engine: LLMEngine, clients: list[ClientPipes]) -> None:
             except OSError:
                 detach(client)
         engine.output_seconds_total += time.perf_counter() - stepped
+        if error_text is not None:  # a failed step: was it a dead rank? (then the requests left fail too)
+            engine.check_workers()

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
 from roseray.runtime.engine_loop import client_pipes, serve_clients
-from roseray.runtime.messages import Ready, Start, StartFailed, decode
+from roseray.runtime.messages import EngineFailed, Ready, Start, StartFailed, decode
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         serve_clients(engine, clients)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("the server process is gone; the engine process exits")
+    except Exception as error:  # noqa: BLE001 - a dead tensor-parallel rank: every client learns why
+        logger.exception("the engine cannot go on; the engine process exits")
+        for client in clients:
+            _send_quietly(client.outputs, EngineFailed(repr(error)).encode())
+        return 1
     return 0
 
 

@@ -2,9 +2,11 @@
 
 The thread owns the engine (it is not thread-safe): it applies the event loop's commands
 between steps, steps while there are requests, and sleeps on an event while there are
-none. Each step's deltas go to the event loop through a deque, with one byte on a pipe
-(`outputs_fd`) when the loop has not been told yet, so a loop that falls behind takes
-several steps' deltas in one read. The engine's errors and stats travel with them.
+none (a tensor-parallel engine wakes every second to check its worker ranks: a dead one
+ends the thread, which the event loop reports as the engine's death). Each step's deltas
+go to the event loop through a deque, with one byte on a pipe (`outputs_fd`) when the
+loop has not been told yet, so a loop that falls behind takes several steps' deltas in
+one read. The engine's errors and stats travel with them.
 """
 
 from __future__ import annotations
@@ -187,7 +189,9 @@ class InProcessEngineClient(EngineClient):
                     self._apply_commands()
                 if not engine.has_unfinished_requests():
                     self._busy = False
-                    self._wake.wait()
+                    # a tensor-parallel engine wakes now and then to check its workers: a dead rank
+                    # ends this thread (the event loop dies with its error) with no request to find it
+                    self._wake.wait(engine.check_workers())
                     self._wake.clear()
                     continue
                 self._busy = True
@@ -196,6 +200,8 @@ class InProcessEngineClient(EngineClient):
                 new_error = error if error is not None and error is not reported else None
                 reported = error
                 self._post(_Step(deltas, engine.get_stats(), self._applied, new_error, time.monotonic()))
+                if new_error is not None:  # a failed step: was it a dead rank? (then the requests left fail too)
+                    engine.check_workers()
             # stopped: what was asked before is done, then every request is aborted (as an engine
             # process does for a client that stops), which frees their blocks
             self._apply_commands()

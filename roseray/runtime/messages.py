@@ -9,6 +9,7 @@ then the bytes); no pickle. The first message on the first client's command pipe
     engine -> client   Ready | StartFailed                      (once, at start)
                        StepOutputs                               (after every step with requests)
                        IntegrityReply | KVEventsReply            (to the client that asked)
+                       EngineFailed                              (once, when the engine ends on an error)
 
 KV cache events (GetKVEvents) have one consumer per engine: each drain hands the events
 since the previous one to whoever asked, so a second consumer would split the stream (a
@@ -181,6 +182,21 @@ class StartFailed:
 
 
 @dataclass(slots=True)
+class EngineFailed:
+    """The engine ended on an error it cannot step past (a tensor-parallel rank exited); the
+    client raises EngineError with `message` (the error's repr), and the engine process exits."""
+
+    message: str
+
+    def encode(self) -> bytes:
+        return _dumps(["engine_failed", self.message])
+
+    @classmethod
+    def from_fields(cls, message) -> EngineFailed:
+        return cls(message)
+
+
+@dataclass(slots=True)
 class StepOutputs:
     """One engine step's deltas, columnar, named by their request ids in the engine.
 
@@ -265,10 +281,10 @@ class KVEventsReply:
 
 
 Message = (Start | AddRequests | AbortRequest | CheckIntegrity | GetKVEvents | Stop | Ready | StartFailed
-           | StepOutputs | IntegrityReply | KVEventsReply)
+           | EngineFailed | StepOutputs | IntegrityReply | KVEventsReply)
 _KINDS = {"start": Start, "add": AddRequests, "abort": AbortRequest, "check_integrity": CheckIntegrity,
-          "kv_events": GetKVEvents, "stop": Stop, "ready": Ready, "failed": StartFailed, "step": StepOutputs,
-          "reply": IntegrityReply, "kv_reply": KVEventsReply}
+          "kv_events": GetKVEvents, "stop": Stop, "ready": Ready, "failed": StartFailed,
+          "engine_failed": EngineFailed, "step": StepOutputs, "reply": IntegrityReply, "kv_reply": KVEventsReply}
 
 
 def decode(data: bytes) -> Message:

@@ -6,7 +6,8 @@ prefix comes with Ready). Adds are held and sent as one AddRequests by flush_com
 abort or an integrity check sends them first. Every step message is read whole and the
 deltas under this client's prefix are kept (a shared engine sends each step to every
 client that had a request in it). If the child dies, the output pipe ends: read_outputs
-raises EngineError and the async engine reports the loop dead (503, health fails).
+raises EngineError and the async engine reports the loop dead (503, health fails); so does
+an EngineFailed message (the engine ended on an error, e.g. a dead tensor-parallel rank).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from roseray.runtime.messages import (
     AbortRequest,
     AddRequests,
     CheckIntegrity,
+    EngineFailed,
     GetKVEvents,
     IntegrityReply,
     KVEventsReply,
@@ -190,12 +192,8 @@ class EngineProcessClient(EngineClient):
             code = self._process.poll() if self._process is not None else None
             raise EngineError(f"the engine process is gone (exit code {code})") from None
         self._last_message = read_at = time.monotonic()
-        if type(message) is IntegrityReply:
-            self._replies[message.call_id] = message.failure
-            self._stats, self.num_adds_applied = message.stats, message.adds_applied
-            return
-        if type(message) is KVEventsReply:
-            self._kv_replies[message.call_id] = message.events
+        if type(message) is not StepOutputs:
+            self._read_other(message)
             return
         step: StepOutputs = message
         self.num_steps_read += 1
@@ -232,3 +230,15 @@ class EngineProcessClient(EngineClient):
             del self._handles[delta.request_id]
             arrival = requests.pop(step.request_ids[index])[2]
             delta.request = RequestSummary(arrival, first_scheduled_time, num_cached_tokens, stop_reason)
+
+    def _read_other(self, message) -> None:
+        """A reply, or the engine's end on an error (EngineError naming it: the async engine dies with it)."""
+        if type(message) is IntegrityReply:
+            self._replies[message.call_id] = message.failure
+            self._stats, self.num_adds_applied = message.stats, message.adds_applied
+        elif type(message) is KVEventsReply:
+            self._kv_replies[message.call_id] = message.events
+        elif type(message) is EngineFailed:
+            raise EngineError(f"the engine process ended on an error: {message.message}")
+        else:
+            raise EngineError(f"the engine process sent {type(message).__name__} after Ready")

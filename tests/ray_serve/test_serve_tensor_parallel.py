@@ -1,7 +1,11 @@
 """The Ray app with `engine.tensor_parallel_size: 2` on CPU (its own local Ray): one engine replica
 whose engine is rank 0 and starts one worker process over gloo; completions through HAProxy and
-the Router; when Serve stops, the worker is gone too. `num_gpus_per_replica: auto` reserves
+the Router; when Serve stops, the worker is gone too; a replica whose worker is killed fails its
+health check (idle) and Serve replaces it. `num_gpus_per_replica: auto` reserves
 tensor_parallel_size GPUs on a GPU cluster (the unit test)."""
+
+import os
+import signal
 
 import httpx
 import psutil
@@ -12,6 +16,7 @@ from ray.serve._private import constants as serve_constants
 from roseray.ray_serve.app import build_app
 from tests.conftest import RayServeCluster
 from tests.ray_serve.helpers import wait_for_routing
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -44,6 +49,32 @@ def test_a_tensor_parallel_replica_serves_and_stops_with_its_worker():
         cluster.close()
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                    for pid in workers)
+
+
+def alive(pid: int) -> bool:
+    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+
+def test_a_replica_whose_worker_dies_is_replaced():
+    before = spawned_workers()
+    cluster = RayServeCluster({"engine": {"tensor_parallel_size": 2, "num_kv_blocks": 64}, "num_replicas": 1,
+                               "num_cpus_per_replica": 0.5})
+    try:
+        cluster.wait_ready()
+        wait_for_routing(cluster.url)
+        [worker] = spawned_workers() - before
+        os.kill(worker, signal.SIGKILL)  # the replica is idle: only its health check can find this
+        # Serve checks every 5 s, stops the replica (its rank 0) and starts one with a worker of its own
+        [replacement] = wait_until(lambda: {pid for pid in spawned_workers() - before - {worker} if alive(pid)},
+                                   timeout=180, interval=0.5, message="no replica with a new worker")
+        wait_for_routing(cluster.url, timeout_s=120)
+        body = {"model": "random:tiny", "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+        reply = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 8
+        assert alive(replacement)
+    finally:
+        cluster.close()
 
 
 def test_auto_gpus_per_replica_is_the_tensor_parallel_size(monkeypatch):
