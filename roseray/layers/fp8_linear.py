@@ -31,6 +31,28 @@ FP8_DTYPE = torch.float8_e4m3fn
 SCALE_FORMATS = ("tensor", "channel", "block")
 
 
+@torch.no_grad()
+def requantize_blocks_per_channel(weight: torch.Tensor, scale_inv: torch.Tensor,
+                                  block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 weight [N, K] with block scales [ceil(N/r), ceil(K/c)] -> (e4m3 [N, K], fp32 scale [N]):
+    dequantized, then requantized with one scale per row (the one fp8 GEMM form roseray runs)."""
+    rows, cols = block_size
+    n, k = weight.shape
+    scale = scale_inv.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    return fused.quantize_per_channel(weight.float() * scale)
+
+
+def per_row_scale(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A checkpoint's weight scale as the per-row vector of `shape`: a per-tensor scale (a scalar
+    or [1]) fills every row, a per-channel [rows, 1] one is flattened."""
+    if len(shape) == 1:
+        if tensor.numel() == 1:
+            return tensor.reshape(()).float().expand(shape)
+        if tensor.dim() == 2 and tensor.shape[1] == 1:
+            return tensor.reshape(-1)
+    return tensor
+
+
 class Fp8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, bias_dtype: torch.dtype,
                  output_sizes: list[int] | None = None, scale_format: str = "channel",
@@ -78,10 +100,8 @@ class Fp8Linear(nn.Module):
         """After loading: block scales -> per-channel scales (nothing to do for the others)."""
         if self.block_size is None:
             return
-        rows, cols = self.block_size
-        scale = self.weight_scale_inv.repeat_interleave(rows, 0)[: self.out_features]
-        scale = scale.repeat_interleave(cols, 1)[:, : self.in_features]
-        self.weight.data, self.weight_scale.data = fused.quantize_per_channel(self.weight.float() * scale)
+        self.weight.data, self.weight_scale.data = requantize_blocks_per_channel(
+            self.weight, self.weight_scale_inv, self.block_size)
         del self.weight_scale_inv
         self.block_size, self.scale_format = None, "channel"
 
@@ -101,12 +121,7 @@ class Fp8Linear(nn.Module):
     def adapt_checkpoint_tensor(self, leaf: str, shard: Hashable, tensor: torch.Tensor,
                                 shape: torch.Size) -> torch.Tensor:
         """A per-tensor scale fills its rows; a [rows, 1] per-channel scale is a vector."""
-        if leaf == "weight_scale" and len(shape) == 1:
-            if tensor.numel() == 1:
-                return tensor.reshape(()).float().expand(shape)
-            if tensor.dim() == 2 and tensor.shape[1] == 1:
-                return tensor.reshape(-1)
-        return tensor
+        return per_row_scale(tensor, shape) if leaf == "weight_scale" else tensor
 
     # ------------------------------------------------------------ forward
 

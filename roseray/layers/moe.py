@@ -7,6 +7,13 @@ projection; `b13`, `b2` their biases when the model has them (gpt-oss). Checkpoi
 store one tensor per expert and projection load as shards `(leaf, expert, part)` of these
 (part 0 = gate, 1 = up for w13; 0 for w2).
 
+FP8 experts hold w13 / w2 in e4m3 with `w13_scale` [E, 2I] / `w2_scale` [E, H], a scale per
+expert and output row: `quantize_fp8()` makes them from loaded weights, or `make_fp8_shell()`
+prepares the layer for an fp8 checkpoint, whose per-expert e4m3 tensors and scales then load as
+shards of these (per-tensor and per-channel scales fill their rows; 128x128 block scales load
+into `w13_scale_inv` / `w2_scale_inv` and `finalize_fp8()` requantizes them per row, as
+Fp8Linear does).
+
 `route` and `moe_reference` are the torch definitions (one matmul pair per expert that has
 tokens), used on CPU and as the test reference for the fused kernel. On CUDA the experts run
 as roseray_kernels.fused_moe (two grouped GEMM launches, no host syncs: CUDA-graph capturable);
@@ -30,6 +37,7 @@ from torch import nn
 from roseray.distributed import TensorParallel
 from roseray.layers import fused
 from roseray.layers.activation import get_activation
+from roseray.layers.fp8_linear import FP8_DTYPE, per_row_scale, requantize_blocks_per_channel
 from roseray.layers.tensor_parallel import split_part
 
 # get_activation() names -> the fused kernel's activations (the same functions)
@@ -111,6 +119,7 @@ class FusedMoE(nn.Module):
         # fp8 experts (quantize_fp8): w13 / w2 in e4m3, one fp32 scale per expert and output row
         self.w13_scale: nn.Parameter | None = None
         self.w2_scale: nn.Parameter | None = None
+        self.fp8_block_size: tuple[int, int] | None = None  # while block scales await finalize_fp8()
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [num_tokens, hidden_size], router_logits [num_tokens, num_experts] -> [num_tokens, hidden_size]."""
@@ -136,19 +145,59 @@ class FusedMoE(nn.Module):
             setattr(self, name, nn.Parameter(q.view(experts, rows, cols), requires_grad=False))
             setattr(self, f"{name}_scale", nn.Parameter(scale.view(experts, rows), requires_grad=False))
 
+    def make_fp8_shell(self, block_size: tuple[int, int] | None = None) -> None:
+        """Before loading an fp8 checkpoint: empty e4m3 experts with per-row scales (ones, for
+        per-tensor and per-channel scales to fill), and with `block_size` the block scales."""
+        experts, device = self.num_experts, self.w13.device
+        for name in ("w13", "w2"):
+            _, rows, cols = getattr(self, name).shape
+            setattr(self, name, nn.Parameter(torch.empty(experts, rows, cols, dtype=FP8_DTYPE, device=device),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(torch.ones(experts, rows, device=device,
+                                                                   dtype=torch.float32), requires_grad=False))
+        if block_size is not None:
+            r, c = block_size
+            inter, hidden = self.intermediate_size, self.hidden_size
+            # gate and up are separate checkpoint tensors: each part has its own block rows
+            self.w13_scale_inv = nn.Parameter(torch.empty(experts, 2 * -(-inter // r), -(-hidden // c),
+                                                          device=device), requires_grad=False)
+            self.w2_scale_inv = nn.Parameter(torch.empty(experts, -(-hidden // r), -(-inter // c), device=device),
+                                             requires_grad=False)
+        self.fp8_block_size = block_size
+
+    @torch.no_grad()
+    def finalize_fp8(self) -> None:
+        """After loading an fp8 checkpoint: block scales -> a scale per expert and row."""
+        if self.fp8_block_size is None:
+            return
+        for name in ("w13", "w2"):
+            weight, scale, scale_inv = (getattr(self, n).data for n in (name, f"{name}_scale", f"{name}_scale_inv"))
+            for key in self.checkpoint_shards(name):  # one expert's gate, up or down rows at a time
+                q, row_scale = requantize_blocks_per_channel(self.shard(weight, key), self.shard(scale_inv, key),
+                                                             self.fp8_block_size)
+                self.shard(weight, key).copy_(q)
+                self.shard(scale, key).copy_(row_scale)
+            delattr(self, f"{name}_scale_inv")
+        self.fp8_block_size = None
+
     # ------------------------------------------------------------ checkpoint loading
 
     def checkpoint_shards(self, leaf: str) -> list[tuple[str, int, int]]:
-        """One shard per expert and part: (leaf, expert, 0 = gate | 1 = up) for w13 and b13,
-        (leaf, expert, 0) for w2 and b2. A checkpoint with stacked expert tensors yields one
-        entry per expert too (a view of its tensor)."""
-        parts = 2 if leaf in ("w13", "b13") else 1
+        """One shard per expert and part: (leaf, expert, 0 = gate | 1 = up) for w13 and b13 (and
+        fp8 experts' w13_scale, w13_scale_inv), (leaf, expert, 0) for w2 and b2 (w2_scale,
+        w2_scale_inv). A checkpoint with stacked expert tensors yields one entry per expert too
+        (a view of its tensor). Per-row scales of block-scaled experts come from finalize_fp8()."""
+        if leaf.endswith("_scale") and self.fp8_block_size is not None:
+            return []
+        parts = 2 if leaf.startswith(("w13", "b13")) else 1
         return [(leaf, expert, part) for expert in range(self.num_experts) for part in range(parts)]
 
     def shard(self, param: torch.Tensor, key: tuple[str, int, int]) -> torch.Tensor:
+        """One expert's slice; of w13 (and its biases and scales) the gate or up half of the rows."""
         leaf, expert, part = key
-        if leaf in ("w13", "b13"):
-            return param[expert].narrow(0, part * self.intermediate_size, self.intermediate_size)
+        if leaf.startswith(("w13", "b13")):
+            half = param.shape[1] // 2
+            return param[expert].narrow(0, part * half, half)
         return param[expert]
 
     def adapt_checkpoint_tensor(self, leaf: str, shard: tuple[str, int, int], tensor: torch.Tensor,
@@ -156,6 +205,8 @@ class FusedMoE(nn.Module):
         """This rank's slice of one expert's checkpoint tensor: gate or up rows (w13, b13), down
         columns (w2); b2 whole on rank 0, zeros elsewhere (the all-reduce adds it once)."""
         part = self.inter_shard
+        if leaf in ("w13_scale", "w2_scale"):  # fp8 checkpoints load without tensor parallelism
+            return per_row_scale(tensor, shape)
         if leaf == "b2":
             return tensor if self.rank == 0 else torch.zeros_like(tensor)
         if part.local == part.full:

@@ -15,8 +15,11 @@ of attention layers (a `kv_cache_scheme`, or vLLM's `k_proj.output_scale`) are c
 fp8 KV cache. Anything else (int8/int4 compressed-tensors, other methods) fails with one line.
 
 Which layers become fp8: every nn.Linear of the model except `lm_head` and modules marked
-`keep_unquantized` (MoE routers), and quantizing at load also turns mixture-of-experts experts to
-e4m3 (fp8 checkpoints of MoE models are refused: their expert formats are not read yet).
+`keep_unquantized` (MoE routers), and the experts of every mixture-of-experts layer (FusedMoE:
+e4m3 with a scale per expert and row). An fp8 checkpoint of an MoE model (Qwen3-MoE, Mixtral)
+stores each expert's gate/up/down projection as its own e4m3 tensor with a scale in any of the
+formats above: they load into FusedMoE's stacked experts, block scales requantized per row as
+for Fp8Linear. Routers and whatever the checkpoint leaves unquantized stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -121,12 +124,35 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern) or name.startswith(pattern + ".")
 
 
+def _experts_ignored(name: str, experts: FusedMoE, patterns: tuple[str, ...]) -> bool:
+    """Whether an ignore list covers every expert projection of FusedMoE `name` (or none of them),
+    by their checkpoint names: Qwen3-MoE's `mlp.experts.{e}.gate_proj`, Mixtral's
+    `block_sparse_moe.experts.{e}.w1` (w1 = gate, w3 = up, w2 = down)."""
+    if not patterns:
+        return False
+    mixtral = name.replace(".mlp.experts", ".block_sparse_moe.experts")
+    hits = [any(_matches(f"{name}.{e}.{qwen}", p) or _matches(f"{mixtral}.{e}.{mix}", p) for p in patterns)
+            for e in range(experts.num_experts)
+            for qwen, mix in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))]
+    if any(hits) and not all(hits):
+        raise ValueError(f"the fp8 checkpoint quantizes only some experts of {name}; roseray needs all or none")
+    return all(hits)
+
+
 def install_fp8_shells(model: nn.Module, scheme: Fp8Scheme) -> int:
-    """Before loading an fp8 checkpoint: its quantized linear layers become empty Fp8Linears."""
+    """Before loading an fp8 checkpoint: its quantized linear layers become empty Fp8Linears and its
+    quantized MoE experts empty e4m3 ones (FusedMoE.make_fp8_shell)."""
     count = 0
     for name, module in quantizable_linears(model):
         if not _ignored(name, scheme.ignore):
             model.set_submodule(name, Fp8Linear.shell_like(module, scheme.scale_format, scheme.block_size))
+            count += 1
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and not _experts_ignored(name, module, scheme.ignore):
+            if module.b13 is not None:
+                raise ValueError("fp8 checkpoints of experts with biases are unsupported; load the bf16 "
+                                 "checkpoint with quantization: fp8")
+            module.make_fp8_shell(scheme.block_size if scheme.scale_format == "block" else None)
             count += 1
     return count
 
@@ -153,9 +179,12 @@ def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]], scheme: Fp8S
 
 
 def finalize_fp8(model: nn.Module) -> None:
+    """After loading an fp8 checkpoint: block scales -> per-row ones (Fp8Linear, FusedMoE)."""
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             module.finalize()
+        elif isinstance(module, FusedMoE):
+            module.finalize_fp8()
 
 
 @torch.no_grad()

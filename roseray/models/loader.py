@@ -180,9 +180,6 @@ def load_model(
         if scheme is not None or quantization == "fp8":
             _log_fp8("random weights", fp8_checkpoint.quantize_linears(model), model_config)
     elif scheme is not None:
-        if model_config.moe is not None:
-            raise ValueError(f"fp8 checkpoints of mixture-of-experts models ({model_config.hf_architecture}) are "
-                             "unsupported (their experts are fp8); load the bf16 checkpoint with quantization: fp8")
         count = fp8_checkpoint.install_fp8_shells(model, scheme)
         tensors = iterate_safetensors(safetensors_files(path), device)
         model.load_weights(fp8_checkpoint.checkpoint_tensors(tensors, scheme, model.kv_cache_scales))

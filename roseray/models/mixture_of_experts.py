@@ -13,7 +13,8 @@ Qwen3-MoE `mlp.experts.{e}.gate_proj|up_proj|down_proj.weight`, Mixtral
 transformers writes them with save_original_format=False, stacked per layer:
 `mlp.experts.gate_up_proj` [experts, 2 * intermediate, hidden] (gate rows then up rows) and
 `mlp.experts.down_proj` [experts, hidden, intermediate]. Both load into FusedMoE's stacked
-`w13` / `w2`; Mixtral's `block_sparse_moe` is this module's `mlp`.
+`w13` / `w2`; Mixtral's `block_sparse_moe` is this module's `mlp`. An fp8 checkpoint's
+per-expert `weight_scale` / `weight_scale_inv` load into FusedMoE's fp8 scales the same way.
 
 Under tensor parallelism the router is replicated, each rank holds its slice of every expert's
 intermediate dimension (FusedMoE) and the block's output is all-reduced once, as the dense MLP's.
@@ -45,7 +46,9 @@ _EXPERT_PROJECTIONS = {
     "w2": ("w2", 0),
 }
 _PROJECTION_NAMES = "|".join(_EXPERT_PROJECTIONS)
-_PER_EXPERT = re.compile(rf"^(?P<block>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>{_PROJECTION_NAMES})\.weight$")
+# an expert's weight, or in an fp8 checkpoint its scale (`weight_scale`, block scales `weight_scale_inv`)
+_PER_EXPERT = re.compile(rf"^(?P<block>.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>{_PROJECTION_NAMES})"
+                         r"\.weight(?P<scale>_scale|_scale_inv)?$")
 _STACKED = re.compile(r"^(?P<block>.+\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -82,6 +85,7 @@ class SparseMoEForCausalLM(llama.LlamaForCausalLM):
             target = name.replace(".block_sparse_moe.", ".mlp.")
             if match := _PER_EXPERT.match(target):
                 leaf, part = _EXPERT_PROJECTIONS[match["proj"]]
+                leaf += match["scale"] or ""  # w13 | w13_scale | w13_scale_inv (FusedMoE's fp8 parameters)
                 yield WeightEntry(name, f"{match['block']}.experts.{leaf}", (leaf, int(match["expert"]), part), tensor)
             elif match := _STACKED.match(target):
                 yield from self._stacked_entries(name, f"{match['block']}.experts", match["proj"], tensor)

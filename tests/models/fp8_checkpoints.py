@@ -1,5 +1,6 @@
-"""Writing a tiny checkpoint's linear layers in each fp8 format roseray reads, and the
-dequantized weights such a checkpoint stands for (the tests' reference)."""
+"""Writing a tiny checkpoint's linear layers (and MoE experts: one tensor per expert and
+projection, as Qwen3-MoE's and Mixtral's fp8 releases store them) in each fp8 format roseray
+reads, and the dequantized weights such a checkpoint stands for (the tests' reference)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from roseray_kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_per_channel
 
 FORMATS = ("fp8-tensor", "fp8-block", "ct-tensor", "ct-channel", "ct-block")
 BLOCK = (16, 16)
-# the HF names of the layers roseray quantizes (lm_head stays as it is)
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the HF names of the layers roseray quantizes (lm_head and MoE routers, `mlp.gate`, stay as they are):
+# attention, dense MLPs and Qwen3-MoE experts (`mlp.experts.{e}.gate_proj`), then Mixtral's experts
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def _quantize(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,16 +48,21 @@ def bf16_rounded_copy(src: Path, dst: Path) -> Path:
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, fmt: str, kv_scales: float | None = None,
-                         static_activations: bool = False) -> dict[str, torch.Tensor]:
-    """Copy checkpoint `src` to `dst` with its linear layers in fp8 format `fmt` (FORMATS);
+                         static_activations: bool = False, keep: str | None = None) -> dict[str, torch.Tensor]:
+    """Copy checkpoint `src` to `dst` with its linear layers in fp8 format `fmt` (FORMATS), except
+    the layers whose names contain `keep` (left as they are, named in the format's ignore list);
     returns {name: dequantized fp32 weight} of every quantized layer."""
     method, strategy = fmt.split("-")
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    tensors, dequantized = {}, {}
+    tensors, dequantized, kept = {}, {}, []
     for name, tensor in load_file(src / "model.safetensors").items():
         layer = name.rpartition(".")[0]
         if not (name.endswith(".weight") and layer.rpartition(".")[2] in QUANTIZED):
             tensors[name] = tensor
+            continue
+        if keep is not None and keep in layer:
+            tensors[name] = tensor
+            kept.append(layer)
             continue
         q, scale, dequantized[name] = _quantize(tensor, strategy)
         tensors[name] = q
@@ -70,7 +77,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, fmt: str, kv_scales: float | None
             for kv in "kv":
                 tensors[f"model.layers.{i}.self_attn.{kv}_scale"] = torch.tensor(kv_scales * (1 + i))
     if method == "fp8":
-        qc = {"quant_method": "fp8", "fmt": "e4m3",
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "modules_to_not_convert": ["lm_head", *kept],
               "activation_scheme": "static" if static_activations else "dynamic"}
         if strategy == "block":
             qc["weight_block_size"] = list(BLOCK)
@@ -78,7 +85,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, fmt: str, kv_scales: float | None
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy}
         if strategy == "block":
             weights["block_structure"] = list(BLOCK)
-        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", *kept],
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                             "input_activations": {"num_bits": 8, "type": "float",
                                                                   "strategy": "token", "dynamic": True}}}}

@@ -6,7 +6,11 @@ computes with the dequantized weights, which transformers is given as its weight
   transformers' greedy ids on the dequantized weights exactly (under batching, chunked prefill,
   prefix caching and preemption), and the per-channel one the same ids as the dynamic path;
   block formats are requantized per channel (weights within e4m3's rounding of the checkpoint);
-- K/V scales are collected, static activation scales dropped, unsupported formats refused.
+- K/V scales are collected, static activation scales dropped, unsupported formats refused;
+- MoE models (Qwen3-MoE, Mixtral): a checkpoint with fp8 experts in each format loads into
+  FusedMoE's e4m3 experts (routers in the model's dtype); per-channel it is the dynamic path
+  exactly, per-tensor exactly its dequantized weights, and every format within the dynamic
+  path's log-probabilities.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from roseray import LLM, SamplingParams
 from roseray.config import EngineConfig
+from roseray.distributed import TensorParallel
 from roseray.layers.fp8_linear import Fp8Linear
 from roseray.layers.moe import FusedMoE
+from roseray.models import loader
 from roseray.models.loader import load_model_config
 from roseray_kernels.fp8_quant import FP8_DTYPE
 from tests.models.fp8_checkpoints import FORMATS, write_fp8_checkpoint
@@ -161,10 +168,84 @@ def test_unsupported_quantization_fails_at_config_time_with_one_line(tiny_checkp
     assert "\n" not in str(info.value)
 
 
-def test_fp8_checkpoint_of_a_moe_model_is_refused(tiny_checkpoint, tmp_path):
-    path = _with_quantization_config(tiny_checkpoint("qwen3_moe"), tmp_path / "moe", {"quant_method": "fp8"})
-    with pytest.raises(ValueError, match="fp8 checkpoints of mixture-of-experts models"):
-        LLM(str(path), device="cpu", dtype="float32")
+MOE_KINDS = ["qwen3_moe", "mixtral"]  # experts named mlp.experts.{e}.gate_proj / block_sparse_moe.experts.{e}.w1
+
+
+def first_token_logprobs(path, batch, **engine_args):
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    outputs = [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+    return llm, [o.token_ids for o in outputs], [o.logprobs[0] for o in outputs]
+
+
+def _dequantized_copy(src, dst, dequantized):
+    """`src` with `dequantized` as its weights, in fp32: what an fp8 checkpoint stands for."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = load_file(src / "model.safetensors")
+    save_file({**tensors, **dequantized}, dst / "model.safetensors")
+    return dst
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_fp8_moe_checkpoint_in_each_format_loads_into_fp8_experts(kind, tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint(kind)
+    batch = prompts(4, 3, 25, seed=9)
+    _, dynamic_ids, dynamic = first_token_logprobs(path, batch, quantization="fp8")
+    for fmt in FORMATS:
+        dequantized = write_fp8_checkpoint(path, tmp_path / fmt, fmt)
+        assert any(".experts.3." in name for name in dequantized)
+        llm, ids, got = first_token_logprobs(tmp_path / fmt, batch)
+        model = llm.engine.runner.model
+        routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+        experts = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+        assert routers and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in routers)
+        assert experts and all(m.w13.dtype == m.w2.dtype == FP8_DTYPE and m.w13_scale.shape == m.w13.shape[:2]
+                               and m.w2_scale.shape == m.w2.shape[:2] and not hasattr(m, "w13_scale_inv")
+                               for m in experts.values())
+        moe = experts["model.layers.0.mlp.experts"]
+        names = (("mlp.experts.3.{}_proj", ("gate", "up", "down")) if kind == "qwen3_moe"
+                 else ("block_sparse_moe.experts.3.{}", ("w1", "w3", "w2")))
+        gate, up, down = (dequantized[f"model.layers.0.{names[0].format(p)}.weight"] for p in names[1])
+        want = {"w13": torch.cat([gate, up]), "w2": down}
+        for name, w in want.items():
+            weight = getattr(moe, name)[3].float() * getattr(moe, f"{name}_scale")[3, :, None]
+            if fmt.endswith("block"):  # requantized per row: within e4m3's rounding of the checkpoint's weights
+                assert float((weight - w).norm() / w.norm()) < 0.04
+            else:  # per-tensor scales fill their part's rows: the very same weights
+                assert torch.equal(weight, w), (fmt, name)
+        for g, w in zip(got, dynamic):  # e4m3 roundings differ by format: as close as fp8 is to bf16
+            common = set(g) & set(w)
+            assert common and max(abs(g[t] - w[t]) for t in common) < 0.1, fmt
+        if fmt == "ct-channel":  # what quantizing at load writes: the dynamic path exactly
+            assert ids == dynamic_ids and got == dynamic
+        elif fmt.endswith("tensor"):  # exactly the model of the dequantized weights
+            plain = _dequantized_copy(path, tmp_path / f"{fmt}-dequantized", dequantized)
+            _, plain_ids, plain_logprobs = first_token_logprobs(plain, batch)
+            assert ids == plain_ids and got == plain_logprobs
+
+
+def test_fp8_moe_checkpoint_may_leave_a_layers_experts_unquantized(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("qwen3_moe")
+    dequantized = write_fp8_checkpoint(path, tmp_path / "ct", "ct-block", keep="layers.0.mlp.experts.")
+    assert not any("layers.0.mlp.experts." in name for name in dequantized)
+    assert any("layers.2.mlp.experts." in name for name in dequantized)
+    llm, ids, _ = first_token_logprobs(tmp_path / "ct", prompts(2, 3, 9, seed=10))
+    model = llm.engine.runner.model
+    kept, quantized = (model.get_submodule(f"model.layers.{i}.mlp.experts") for i in (0, 2))
+    assert kept.w13.dtype == kept.w2.dtype == torch.float32 and kept.w13_scale is None
+    gate = load_file(path / "model.safetensors")["model.layers.0.mlp.experts.1.gate_proj.weight"]
+    assert torch.equal(kept.w13[1, : gate.shape[0]], gate)
+    assert quantized.w13.dtype == FP8_DTYPE and quantized.w13_scale is not None
+    assert all(len(t) == MAX_NEW for t in ids)
+
+
+def test_fp8_moe_checkpoint_that_quantizes_only_some_experts_is_refused(tiny_checkpoint, tmp_path):
+    write_fp8_checkpoint(tiny_checkpoint("qwen3_moe"), tmp_path / "moe", "fp8-tensor")
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["model.layers.0.mlp.experts.5.up_proj"]
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="^the fp8 checkpoint quantizes only some experts of model.layers.0.mlp"):
+        LLM(str(tmp_path / "moe"), device="cpu", dtype="float32")
 
 
 def test_dynamic_fp8_on_a_moe_model_quantizes_the_experts_and_keeps_the_routers(tiny_checkpoint):
@@ -183,6 +264,15 @@ def test_dynamic_fp8_on_a_moe_model_quantizes_the_experts_and_keeps_the_routers(
     for g, w in zip(got, want):  # e4m3 weights move these tiny models' log-probabilities a little
         common = set(g) & set(w)
         assert common and max(abs(g[t] - w[t]) for t in common) < 0.1
+
+
+def test_fp8_moe_checkpoint_is_refused_under_tensor_parallelism(tiny_checkpoint, tmp_path, monkeypatch):
+    write_fp8_checkpoint(tiny_checkpoint("mixtral"), tmp_path / "moe", "fp8-block")
+    model_config = load_model_config(str(tmp_path / "moe"))
+    monkeypatch.setattr(loader, "tensor_parallel", lambda: TensorParallel(rank=0, size=2))
+    loader.check_tensor_parallel(model_config, fp8_checkpoint_weights=False)  # the bf16 path shards
+    with pytest.raises(ValueError, match="^tensor_parallel_size 2 with an fp8 checkpoint is unsupported"):
+        loader.check_tensor_parallel(model_config, fp8_checkpoint_weights=True)
 
 
 def test_engine_config_refuses_unknown_quantization_and_kv_dtype():
