@@ -3,16 +3,18 @@
 Formats (config.json `quantization_config`):
 - `quant_method: fp8` (as transformers and the Qwen3-FP8 / DeepSeek checkpoints write it):
   e4m3 `weight`; with `weight_block_size: [r, c]` a `weight_scale_inv` [N/r, K/c] (the factor
-  that dequantizes each block), otherwise one `weight_scale` per tensor.
+  that dequantizes each block, fp32: `scale_fmt` ue8m0 is refused), otherwise one scale per
+  tensor (`weight_scale`, or `weight_scale_inv` as transformers names it).
   `modules_to_not_convert` names layers kept in the model's dtype.
 - `quant_method: compressed-tensors` (LLM Compressor), format `float-quantized` (or
   `naive-quantized`): one config group of 8-bit float weights targeting Linear, strategy
   `tensor`, `channel` ([N, 1] scales) or `block` (`block_structure`), all named `weight_scale`;
   `ignore` lists layers (names, or `re:` patterns) kept in the model's dtype.
-Either may carry a static activation scale (`input_scale`): it is not used, activations are
-quantized per token at run time (more precise, one launch either way). `k_scale` / `v_scale`
-of attention layers (a `kv_cache_scheme`, or vLLM's `k_proj.output_scale`) are collected for the
-fp8 KV cache. Anything else (int8/int4 compressed-tensors, other methods) fails with one line.
+Either may carry a static activation scale (`input_scale`, transformers' `activation_scale`): it
+is not used, activations are quantized per token at run time (more precise, one launch either
+way). `k_scale` / `v_scale` of attention layers (a `kv_cache_scheme`, or vLLM's
+`k_proj.output_scale`) are collected for the fp8 KV cache. Anything else (int8/int4
+compressed-tensors, other methods) fails with one line.
 
 Which layers become fp8: every nn.Linear of the model except `lm_head` and modules marked
 `keep_unquantized` (MoE routers), and the experts of every mixture-of-experts layer (FusedMoE:
@@ -62,6 +64,9 @@ def checkpoint_fp8_scheme(hf: dict[str, Any]) -> Fp8Scheme | None:
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"fp8 checkpoint format {qc['fmt']!r} is unsupported; roseray loads e4m3")
+        if (qc.get("scale_fmt") or "float") != "float":
+            raise ValueError(f"fp8 checkpoint scale format {qc['scale_fmt']!r} is unsupported; roseray loads "
+                             "float scales")
         ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
         block = qc.get("weight_block_size")
         if block:
@@ -160,17 +165,20 @@ def install_fp8_shells(model: nn.Module, scheme: Fp8Scheme) -> int:
 def checkpoint_tensors(weights: Iterable[tuple[str, torch.Tensor]], scheme: Fp8Scheme,
                        kv_scales: dict[int, dict[str, float]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors the model loads: static activation scales dropped, attention K/V scales
-    collected into `kv_scales` ({layer: {"k": s, "v": s}}), block scales named weight_scale_inv."""
+    collected into `kv_scales` ({layer: {"k": s, "v": s}}), block scales named weight_scale_inv
+    and the others weight_scale."""
     dropped = 0
     for name, tensor in weights:
         match = _KV_SCALE.search(name)
         if match is not None:
             kind = match.group(2) or match.group(3)
             kv_scales.setdefault(int(match.group(1)), {})[kind] = float(tensor.float().max())
-        elif name.endswith(".input_scale"):
+        elif name.endswith((".input_scale", ".activation_scale")):
             dropped += 1
         elif scheme.scale_format == "block" and name.endswith(".weight_scale"):
             yield name[: -len("weight_scale")] + "weight_scale_inv", tensor
+        elif scheme.scale_format != "block" and name.endswith(".weight_scale_inv"):
+            yield name[: -len("weight_scale_inv")] + "weight_scale", tensor
         else:
             yield name, tensor
     if dropped:

@@ -160,6 +160,8 @@ def _with_quantization_config(src, dst, qc):
       "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}}},
      "unsupported compressed-tensors checkpoint (4-bit int weights"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fp8 checkpoint format 'e5m2' is unsupported"),
+    ({"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+     "fp8 checkpoint scale format 'ue8m0' is unsupported"),
 ])
 def test_unsupported_quantization_fails_at_config_time_with_one_line(tiny_checkpoint, tmp_path, qc, message):
     path = _with_quantization_config(tiny_checkpoint("llama"), tmp_path / "q", qc)
@@ -222,6 +224,20 @@ def test_fp8_moe_checkpoint_in_each_format_loads_into_fp8_experts(kind, tiny_che
             plain = _dequantized_copy(path, tmp_path / f"{fmt}-dequantized", dequantized)
             _, plain_ids, plain_logprobs = first_token_logprobs(plain, batch)
             assert ids == plain_ids and got == plain_logprobs
+
+
+def test_fp8_moe_checkpoint_with_transformers_scale_names_loads_the_same(tiny_checkpoint, tmp_path):
+    """transformers names a per-tensor scale weight_scale_inv and a static one activation_scale."""
+    write_fp8_checkpoint(tiny_checkpoint("qwen3_moe"), tmp_path / "vllm", "fp8-tensor")
+    shutil.copytree(tmp_path / "vllm", tmp_path / "hf")
+    tensors = load_file(tmp_path / "vllm" / "model.safetensors")
+    renamed = {name.replace(".weight_scale", ".weight_scale_inv"): t for name, t in tensors.items()}
+    scales = [name for name in renamed if name.endswith(".weight_scale_inv")]
+    assert any(".experts." in name for name in scales)
+    renamed |= {name.replace(".weight_scale_inv", ".activation_scale"): torch.tensor(0.05) for name in scales}
+    save_file(renamed, tmp_path / "hf" / "model.safetensors")
+    batch = prompts(3, 3, 12, seed=11)
+    assert first_token_logprobs(tmp_path / "hf", batch)[1:] == first_token_logprobs(tmp_path / "vllm", batch)[1:]
 
 
 def test_fp8_moe_checkpoint_may_leave_a_layers_experts_unquantized(tiny_checkpoint, tmp_path):

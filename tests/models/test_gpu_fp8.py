@@ -1,7 +1,8 @@
 """FP8 weights on a CUDA device (Ada/Hopper), against the same model in bf16: greedy agreement on
 32 prompts x 64 tokens and the first token's log-probabilities (reported to $GPU_REPORT when set),
 and a checkpoint we write per channel loads to the same tokens as quantizing the same bf16
-weights at load.
+weights at load (MoE models too: their experts run the fused fp8 MoE kernel; a block-scaled
+MoE checkpoint is compared with the dynamic path).
 Skipped without a GPU of compute capability 8.9+ (run on the GPU host)."""
 
 from __future__ import annotations
@@ -58,3 +59,25 @@ def test_fp8_weights_agree_with_bf16(kind, tiny_checkpoint, tmp_path):
     loaded = run(tmp_path / "ct", batch)
     dynamic = run(rounded, batch, quantization="fp8")
     assert [o.token_ids for o in loaded] == [o.token_ids for o in dynamic]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_fp8_moe_checkpoints_load_like_the_dynamic_path(kind, tiny_checkpoint, tmp_path):
+    """MoE experts through the fused fp8 kernel: a per-channel checkpoint = quantizing at load
+    (same tokens); a 128x128-style block checkpoint (requantized per row) within the bf16 test's
+    bounds of the dynamic path."""
+    rounded = bf16_rounded_copy(tiny_checkpoint(kind), tmp_path / "bf16")
+    batch = prompts()
+    dynamic = run(rounded, batch, quantization="fp8")
+    write_fp8_checkpoint(rounded, tmp_path / "ct", "ct-channel")
+    assert [o.token_ids for o in run(tmp_path / "ct", batch)] == [o.token_ids for o in dynamic]
+    write_fp8_checkpoint(rounded, tmp_path / "block", "fp8-block")
+    block = run(tmp_path / "block", batch)
+    errors = []
+    for f, d in zip(block, dynamic):
+        common = sorted(set(f.logprobs[0]) & set(d.logprobs[0]))
+        errors.append(max(abs(f.logprobs[0][t] - d.logprobs[0][t]) for t in common))
+    report = greedy_report([o.token_ids for o in block], [o.token_ids for o in dynamic], MAX_NEW, errors,
+                           test="fp8 block-scaled MoE checkpoint vs dynamic fp8", kind=kind)
+    assert report["first_token_logprob_max_abs_err"] < 0.3, report
+    assert report["greedy_agreement"] > 0.3, report
