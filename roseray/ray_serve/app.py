@@ -34,7 +34,7 @@ from roseray.models.loader import load_model_config
 from roseray.openai_api.api import create_app
 from roseray.openai_api.api_processes import APIProcessSettings
 from roseray.openai_api.metrics_share import MetricsShare
-from roseray.ray_serve import wiring
+from roseray.ray_serve import router_metrics, wiring
 from roseray.ray_serve.autoscaling import AutoscalingArgs, replica_count_options
 from roseray.ray_serve.autoscaling_policy import engine_load_stats
 from roseray.ray_serve.haproxy_env import router_replicas_in_env
@@ -155,7 +155,8 @@ class RouterDeployment:
                                              load_format=engine_config.load_format)
             tokenizer = load_tokenizer(engine_config.tokenizer, model_config, engine_config.revision)
             self.chainer = PromptChainer(tokenizer, self.hint_config)
-        self.endpoint = RouterEndpoint(self.pick, self.tickets)
+        router_metrics.ROUTER_METRICS.model_name = served_model_name
+        self.endpoint = RouterEndpoint(self.pick, self.tickets, router_metrics.ROUTER_METRICS)
         if lean_server:  # takes the port over from Serve's server once it listens (router_server.py)
             try:
                 server = LeanRouterServer(self.endpoint, serve.get_replica_context().app_name)

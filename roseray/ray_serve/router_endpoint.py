@@ -11,6 +11,7 @@ JSON (the part naming a replica is encoded once per replica).
                            400 {"detail": "missing x-request-id"}
                            503 {"detail": "<why>"} when picking raised RuntimeError
     GET  /health           200 {"status": "ok"}
+    GET  /metrics          200 the Router's Prometheus metrics (router_metrics.py), when given
     GET  /-/healthz        200 "success" (503 "DRAINING"/"UNHEALTHY"): HAProxy's health check,
                            answered by Serve's wrapper until the lean server takes the port over
     anything else          404 (405 for another method on a known path)
@@ -22,6 +23,7 @@ import json
 from collections.abc import Awaitable, Callable, Iterable
 
 from roseray.ray_serve import wiring
+from roseray.ray_serve.router_metrics import RouterMetrics
 from roseray.ray_serve.ticket import REQUEST_ID_HEADER, TICKET_HEADER, TicketSigner
 
 # pick(body, session id, X-Body-Truncated) -> the chosen replica; RuntimeError: none can serve
@@ -44,11 +46,14 @@ _NOT_FOUND = _json({"detail": "Not Found"})
 _NOT_ALLOWED = _json({"detail": "Method Not Allowed"})
 _JSON_TYPE = b"application/json"
 _TEXT_TYPE = b"text/plain; charset=utf-8"
+_METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 def content_type(path: str) -> bytes:
     """The content type of RouterEndpoint.respond's answer for `path`."""
-    return _TEXT_TYPE if path == wiring.HEALTHZ_PATH else _JSON_TYPE
+    if path == wiring.HEALTHZ_PATH:
+        return _TEXT_TYPE
+    return _METRICS_TYPE if path == "/metrics" else _JSON_TYPE
 
 
 async def _always_healthy() -> tuple[bool, str]:
@@ -59,11 +64,13 @@ class RouterEndpoint:
     """ASGI app of the Router replica (Serve accepts any ASGI callable from
     `__serve_build_asgi_app__`). `pick` runs the routing policy; `tickets` signs each
     request id into the answer's request_headers. `respond` is the whole of the HTTP logic,
-    shared with the lean server (router_server.py) that takes the Router's port over."""
+    shared with the lean server (router_server.py) that takes the Router's port over.
+    `metrics`: what GET /metrics answers (404 without)."""
 
-    def __init__(self, pick: Pick, tickets: TicketSigner) -> None:
+    def __init__(self, pick: Pick, tickets: TicketSigner, metrics: RouterMetrics | None = None) -> None:
         self.pick = pick
         self.tickets = tickets
+        self.metrics = metrics
         self._frames: dict[wiring.ReplicaPick, tuple[bytes, bytes]] = {}
         # GET /-/healthz: (healthy, message) as Serve's replica says (the lean server sets it)
         self.health: Callable[[], Awaitable[tuple[bool, str]]] = _always_healthy
@@ -97,6 +104,8 @@ class RouterEndpoint:
             return await self.route(headers, body) if method == "POST" else (405, _NOT_ALLOWED)
         if path == "/health":
             return (200, _HEALTH) if method in ("GET", "HEAD") else (405, _NOT_ALLOWED)
+        if path == "/metrics" and self.metrics is not None:
+            return (200, self.metrics.render()) if method in ("GET", "HEAD") else (405, _NOT_ALLOWED)
         if path == wiring.HEALTHZ_PATH:  # Serve's wrapper answers it before the app; the lean server here
             healthy, message = await self.health()
             return (200 if healthy else 503), message.encode()

@@ -22,7 +22,9 @@ cannot hold it.
 prompt blocks still to prefill at the replica, by its exact cache contents, plus its load.
 The contents come from the replicas' KV cache events (`"kv"` in their routing stats:
 kv_event_feed.py), which every policy feeds into `kv_index` (a KVCacheIndex), each stats
-dict once (by its `ts`); a replica that leaves is forgotten.
+dict once (by its `ts`); a replica that leaves is forgotten. At each cache_aware pick the age
+of its view of the chosen replica (KVCacheIndex.content_age; None: it has none) goes to
+`on_view_age`: the Router's RequestRouter passes its process's router_metrics.
 
 Given `stats_period_s` (the app passes it), a replica whose stats stopped coming is not
 picked while others' are current (stats_freshness.py).
@@ -35,13 +37,14 @@ import hashlib
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from roseray.engine.kv_events import KVCacheSnapshot, KVEventBatch
+from roseray.ray_serve import router_metrics
 from roseray.ray_serve.cache_aware import CacheAwareWeights, common_prefix
 from roseray.ray_serve.json_head import loads_or_head
 from roseray.ray_serve.kv_index import KVCacheIndex
@@ -163,11 +166,13 @@ class RoutingPolicy:
     def __init__(self, *, affinity_max_imbalance: int = 4, affinity_capacity: int = 100_000,
                  pick_grace_s: float = 0.2, unseen_pick_window_s: float = 2.0, seed: int | None = None,
                  policy: str = "kv_queue", prefill_weight: float = 1.0, load_weight: float | None = None,
-                 pick_cache_s: float = 2.0, stats_period_s: float | None = None) -> None:
+                 pick_cache_s: float = 2.0, stats_period_s: float | None = None,
+                 on_view_age: Callable[[float | None], None] | None = None) -> None:
         if policy not in ("kv_queue", "cache_aware"):
             raise ValueError(f"policy must be kv_queue or cache_aware, got {policy!r}")
         self.cache_aware = CacheAwareWeights(prefill_weight, load_weight) if policy == "cache_aware" else None
         self.kv_index = KVCacheIndex()
+        self.on_view_age = on_view_age
         self._kv_seen_ts: dict[Any, Any] = {}  # replica -> the `ts` of the last stats dict fed to kv_index
         self._kv_snapshot_applied: dict[Any, tuple[int, int]] = {}  # replica -> (epoch, seq) of its last snapshot
         self.pick_cache_s = pick_cache_s
@@ -305,6 +310,8 @@ class RoutingPolicy:
             self.cache_aware.observe(max(hint.prompt_blocks, len(chain)) - max(best, cached))
             if chain:
                 self._picked_chains.setdefault(replica_id, collections.deque()).append((now, chain))
+            if self.on_view_age is not None:
+                self.on_view_age(self.kv_index.content_age(replica_id, now))
             return
         self._picks.setdefault(replica_id, _Picks()).picks.append((now, hint.need_blocks))
         affinity = self._affinity
@@ -340,6 +347,9 @@ class KVQueueRequestRouter(FIFOMixin, RequestRouter):
     """
 
     def initialize_state(self, **kwargs) -> None:
+        # the module, not its object: Serve ships this class by value, and the process's metrics
+        # are the ones the Router replica's HTTP app serves
+        kwargs.setdefault("on_view_age", router_metrics.ROUTER_METRICS.observe_view_age)
         self.policy = RoutingPolicy(**kwargs)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

@@ -19,6 +19,7 @@ from roseray.openai_api.prompt_ids import prompt_ids
 from roseray.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from roseray.ray_serve.cache_aware import CacheAwareWeights
 from roseray.ray_serve.prompt_chain import PromptChainer
+from roseray.ray_serve.router_metrics import RouterMetrics
 from roseray.ray_serve.routing import HintConfig, KVQueueRequestRouter, RoutingHint, RoutingPolicy
 from roseray.sampling_params import SamplingParams
 
@@ -107,6 +108,50 @@ def test_the_index_dates_its_view_by_the_stats_that_carried_it():
     p.rank([holder, other], HINT, now=1000.9)
     assert p.kv_index.content_age("holder", 1000.9) == pytest.approx(0.4)
     assert p.kv_index.content_age("other", 1000.9) == pytest.approx(0.3)
+
+
+def view_age_metrics(metrics: RouterMetrics) -> dict[str, float]:
+    """The exposition's samples of the view-age histogram and the missing-view counter."""
+    samples = {}
+    for family in metrics.collect():
+        for sample in family.samples:
+            samples[sample.name + (f"le={sample.labels['le']}" if "le" in sample.labels else "")] = sample.value
+    return samples
+
+
+def test_each_cache_aware_pick_records_the_age_of_its_view_of_the_chosen_replica():
+    """At a pick the Router observes KVCacheIndex.content_age of the chosen replica at the
+    pick's time (`now`: the test's clock), or counts a pick without a usable view."""
+    metrics = RouterMetrics("m")
+    p = RoutingPolicy(policy="cache_aware", load_weight=2.0, seed=0, on_view_age=metrics.observe_view_age)
+    holder, other = holder_and_other(0)  # stats of ts 1000.0
+    for now in (1000.25, 1000.65, 1003.0):
+        chosen = p.rank([holder, other], HINT, now=now)[0]
+        assert chosen is holder
+        p.record_pick(chosen.replica_id, HINT, now=now)
+    stranger = Replica("stranger", stats(ts=1003.0))  # no KV events yet: no view
+    p.record_pick(p.rank([stranger], HINT, now=1003.1)[0].replica_id, HINT, now=1003.1)
+    samples = view_age_metrics(metrics)
+    assert samples["roseray:router_kv_view_age_seconds_count"] == 3
+    assert samples["roseray:router_kv_view_age_seconds_sum"] == pytest.approx(0.25 + 0.65 + 3.0)
+    assert samples["roseray:router_kv_view_age_seconds_bucketle=0.2"] == 0
+    assert samples["roseray:router_kv_view_age_seconds_bucketle=0.3"] == 1
+    assert samples["roseray:router_kv_view_age_seconds_bucketle=0.6"] == 1
+    assert samples["roseray:router_kv_view_age_seconds_bucketle=0.7"] == 2
+    assert samples["roseray:router_kv_view_age_seconds_bucketle=2.5"] == 2
+    assert samples["roseray:router_kv_view_age_seconds_bucketle=+Inf"] == 3
+    assert samples["roseray:router_kv_view_missing_total"] == 1
+    assert b'roseray:router_kv_view_age_seconds_count{model_name="m"} 3.0' in metrics.render()
+
+
+def test_kv_queue_picks_record_no_view_age():
+    metrics = RouterMetrics()
+    p = RoutingPolicy(policy="kv_queue", seed=0, on_view_age=metrics.observe_view_age)
+    holder, other = holder_and_other(0)
+    p.record_pick(p.rank([holder, other], HINT, now=1000.5)[0].replica_id, HINT, now=1000.5)
+    samples = view_age_metrics(metrics)
+    assert samples["roseray:router_kv_view_age_seconds_count"] == 0
+    assert samples["roseray:router_kv_view_missing_total"] == 0
 
 
 def test_a_lost_batch_makes_the_view_stale_until_a_snapshot():

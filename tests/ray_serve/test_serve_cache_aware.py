@@ -2,15 +2,17 @@
 share a long prefix go to the replica whose prefix cache holds it (the engine reports it:
 their usage shows the prefix as cached tokens), also once the Router's memory of its own
 picks has lapsed, so that the replica's KV events are what keeps them there; once that
-replica is gone, they settle on another and stay there."""
+replica is gone, they settle on another and stay there. The Router's /metrics dates its view of
+the chosen replica's cache at each pick."""
 
+import re
 import time
 
 import httpx
 import pytest
 
 from tests.conftest import RAY_STATS_PERIOD_S, RayServeCluster
-from tests.ray_serve.helpers import wait_for_routing
+from tests.ray_serve.helpers import router_ports, wait_for_routing
 from tests.waiting import wait_until
 
 PREFIX = "".join(chr(97 + (i * 7) % 26) for i in range(800))  # 50 blocks of the byte tokenizer
@@ -51,6 +53,33 @@ def stays_on_one_replica(url: str, rounds: int = 4) -> str:
         replica, cached = complete(url, PREFIX + f" q{i}")
         assert replica == holder and cached >= PREFIX_TOKENS - 16, (i, replica, holder, cached)
     return holder
+
+
+def view_age_samples(router_port: int) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{router_port}/metrics", timeout=10).text
+    samples = {}
+    for name, labels, value in re.findall(r'^(roseray:router_kv_view_age_seconds_\w+)\{([^}]*)\} (\S+)$', text, re.M):
+        le = re.search(r'le="([^"]+)"', labels)
+        samples[name + (le.group(1) if le else "")] = float(value)
+    return samples
+
+
+def test_the_router_reports_the_age_of_its_cache_view_at_each_pick(cluster):
+    """Picks made on a view of the chosen replica's cache (KV events have arrived) are
+    observed in roseray:router_kv_view_age_seconds, every one of them younger than a
+    generous bound (the view is a stats period or two old)."""
+    router_port = min(router_ports(cluster.state_dir))
+    count = "roseray:router_kv_view_age_seconds_count"
+    start = view_age_samples(router_port).get(count, 0.0)
+
+    def observed() -> bool:
+        complete(cluster.url, f"view age {time.monotonic()} " * 4)
+        return view_age_samples(router_port)[count] >= start + 5
+
+    wait_until(observed, timeout=60, interval=0.05, message=lambda: view_age_samples(router_port))
+    samples = view_age_samples(router_port)
+    assert samples["roseray:router_kv_view_age_seconds_bucket5.0"] == samples[count]  # none older than 5 s
+    assert samples["roseray:router_kv_view_age_seconds_sum"] > 0.0
 
 
 def test_a_shared_prefix_goes_to_its_holder_until_the_holder_goes(cluster):

@@ -12,7 +12,9 @@ import pytest
 import uvicorn
 
 from roseray.ray_serve import app as serve_app
-from roseray.ray_serve import wiring
+from roseray.ray_serve import router_endpoint, wiring
+from roseray.ray_serve.router_endpoint import RouterEndpoint
+from roseray.ray_serve.router_metrics import RouterMetrics
 from roseray.ray_serve.routing import HintConfig, RoutingHint, hint_from_body
 from roseray.ray_serve.ticket import TICKET_HEADER, TicketSigner
 from tests.ray_serve.helpers import PICK, SECRET, endpoint
@@ -84,6 +86,17 @@ def test_health_and_unknown_paths():
     assert call(app, "GET", "/nope")[0] == 404
     assert call(app, "GET", wiring.ROUTE_PATH)[0] == 405
     assert call(app, "POST", "/health")[0] == 405
+
+
+def test_metrics_are_the_routers_prometheus_exposition_when_given():
+    metrics = RouterMetrics("tiny")
+    metrics.observe_view_age(0.4)
+    app = RouterEndpoint(endpoint().pick, TicketSigner(SECRET), metrics)
+    status, body = asyncio.run(app.respond("GET", "/metrics", [], b""))
+    assert status == 200 and router_endpoint.content_type("/metrics").startswith(b"text/plain; version=0.0.4")
+    assert b'roseray:router_kv_view_age_seconds_bucket{le="0.4",model_name="tiny"} 1.0' in body
+    assert asyncio.run(app.respond("POST", "/metrics", [], b""))[0] == 405
+    assert call(endpoint(), "GET", "/metrics")[0] == 404  # none given
 
 
 def test_lifespan_completes():
