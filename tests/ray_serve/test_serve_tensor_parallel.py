@@ -31,34 +31,38 @@ def spawned_workers() -> set[int]:
     return found
 
 
-def test_a_tensor_parallel_replica_serves_and_stops_with_its_worker():
-    before = spawned_workers()
-    cluster = RayServeCluster({"engine": {"tensor_parallel_size": 2, "num_kv_blocks": 64}, "num_replicas": 1,
-                               "num_cpus_per_replica": 0.5})
-    try:
-        cluster.wait_ready()
-        wait_for_routing(cluster.url)
-        workers = spawned_workers() - before
-        assert len(workers) == 1, workers  # rank 1 of the one replica
-        body = {"model": "random:tiny", "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
-        for _ in range(3):
-            reply = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["usage"]["completion_tokens"] == 8
-    finally:
-        cluster.close()
-    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-                   for pid in workers)
+TP_APP = {"engine": {"tensor_parallel_size": 2, "num_kv_blocks": 64}, "num_replicas": 1, "num_cpus_per_replica": 0.5}
 
 
 def alive(pid: int) -> bool:
     return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
 
 
+def complete(url: str) -> None:
+    body = {"model": "random:tiny", "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+    reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 8
+
+
+def test_a_tensor_parallel_replica_serves_and_stops_with_its_worker():
+    before = spawned_workers()
+    cluster = RayServeCluster(TP_APP)
+    try:
+        cluster.wait_ready()
+        wait_for_routing(cluster.url)
+        workers = spawned_workers() - before
+        assert len(workers) == 1, workers  # rank 1 of the one replica
+        for _ in range(3):
+            complete(cluster.url)
+    finally:
+        cluster.close()
+    assert not any(alive(pid) for pid in workers)
+
+
 def test_a_replica_whose_worker_dies_is_replaced():
     before = spawned_workers()
-    cluster = RayServeCluster({"engine": {"tensor_parallel_size": 2, "num_kv_blocks": 64}, "num_replicas": 1,
-                               "num_cpus_per_replica": 0.5})
+    cluster = RayServeCluster(TP_APP)
     try:
         cluster.wait_ready()
         wait_for_routing(cluster.url)
@@ -68,10 +72,7 @@ def test_a_replica_whose_worker_dies_is_replaced():
         [replacement] = wait_until(lambda: {pid for pid in spawned_workers() - before - {worker} if alive(pid)},
                                    timeout=180, interval=0.5, message="no replica with a new worker")
         wait_for_routing(cluster.url, timeout_s=120)
-        body = {"model": "random:tiny", "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
-        reply = httpx.post(cluster.url + "/v1/completions", json=body, timeout=60)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["usage"]["completion_tokens"] == 8
+        complete(cluster.url)
         assert alive(replacement)
     finally:
         cluster.close()
