@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import math
 import random
 import time
@@ -177,6 +178,7 @@ class RoutingPolicy:
         self._kv_snapshot_applied: dict[Any, tuple[int, int]] = {}  # replica -> (epoch, seq) of its last snapshot
         self.pick_cache_s = pick_cache_s
         self._picked_chains: dict[Any, collections.deque] = {}  # replica -> (time, chain) of recent picks
+        self._best_cached: tuple[tuple[int, ...], int] = ((), 0)  # the last ranking's chain, most blocks held
         self.affinity_max_imbalance = affinity_max_imbalance
         self.pick_grace_s = pick_grace_s
         self.affinity_capacity = affinity_capacity
@@ -221,10 +223,6 @@ class RoutingPolicy:
             elif "batch" in entry:
                 index.apply(replica_id, KVEventBatch.from_dict(entry["batch"]), as_of=ts)  # one applied: skipped
 
-    def _cache_holders(self) -> set:
-        """Every replica whose cache this router knows something of (events or its own picks)."""
-        return set(self.kv_index.replicas()) | self._picked_chains.keys()
-
     def cached_blocks(self, replica_id, chain: tuple[int, ...], now: float) -> int:
         """The leading blocks of `chain` the replica holds (its events), or will hold (this
         router's picks sent there in the last `pick_cache_s`: a request's blocks reach the
@@ -248,10 +246,10 @@ class RoutingPolicy:
         free = int(kv_free) - picked_blocks
         return (0 if free >= hint.need_blocks else 1), queue, -free
 
-    def cache_aware_score(self, replica, hint: RoutingHint, now: float) -> tuple[int, float]:
-        """(0 if it can hold the request else 1, its cost: cache_aware.py). The gate counts
-        the blocks the request needs beyond the prefix the replica holds (its own picks' too:
-        requests sharing a prefix share its blocks)."""
+    def cache_aware_score(self, replica, hint: RoutingHint, now: float) -> tuple[tuple[int, float], int]:
+        """((0 if it can hold the request else 1, its cost: cache_aware.py), the blocks of the
+        request's prefix it holds). The gate counts the blocks the request needs beyond that
+        prefix (this router's picks' too: requests sharing a prefix share its blocks)."""
         stats = replica.routing_stats or {}
         num_picks, picked_blocks = self._pending(replica.replica_id, stats, now)
         queue = int(stats.get("queue", 0)) + num_picks
@@ -259,7 +257,7 @@ class RoutingPolicy:
         cached = self.cached_blocks(replica.replica_id, chain, now)
         kv_free = stats.get("kv_free")
         fits = kv_free is None or int(kv_free) - picked_blocks >= hint.need_blocks - cached
-        return (0 if fits else 1), self.cache_aware.cost(max(hint.prompt_blocks, len(chain)) - cached, queue)
+        return ((0 if fits else 1), self.cache_aware.cost(max(hint.prompt_blocks, len(chain)) - cached, queue)), cached
 
     def rank(self, candidates: list, hint: RoutingHint | None = None, now: float | None = None) -> list:
         hint = hint or RoutingHint()
@@ -269,7 +267,12 @@ class RoutingPolicy:
         for replica in candidates:
             self.observe(replica)
         if self.cache_aware is not None:
-            costed = [(self.cache_aware_score(r, hint, now), self._rng.random(), r) for r in candidates]
+            costed, best = [], 0
+            for replica in candidates:
+                score, cached = self.cache_aware_score(replica, hint, now)
+                best = max(best, cached)
+                costed.append((score, self._rng.random(), replica))
+            self._best_cached = (hint.prefix_hashes, best)  # for this request's record_pick
             costed.sort(key=lambda item: (item[0], item[1]))
             return [r for _, _, r in costed]
         scored = [(self.score(r, hint, now), self._rng.random(), r) for r in candidates]
@@ -305,8 +308,12 @@ class RoutingPolicy:
             self._picks.setdefault(replica_id, _Picks()).picks.append((now, max(0, hint.need_blocks - cached)))
             # the load weight learns what a request needs to prefill at best (on the replica that
             # holds most of its prefix), not where it went: a router that sent requests away from
-            # their prefix would otherwise raise its own load weight and send more away
-            best = max((self.cached_blocks(r, chain, now) for r in self._cache_holders()), default=cached)
+            # their prefix would otherwise raise its own load weight and send more away. The best
+            # is the one its ranking found (the same chain object), else looked up again.
+            ranked_chain, best = self._best_cached
+            if ranked_chain is not chain:
+                best = max((self.cached_blocks(r, chain, now)
+                            for r in itertools.chain(self.kv_index.replicas(), self._picked_chains)), default=0)
             self.cache_aware.observe(max(hint.prompt_blocks, len(chain)) - max(best, cached))
             if chain:
                 self._picked_chains.setdefault(replica_id, collections.deque()).append((now, chain))
