@@ -25,8 +25,14 @@ class CapturedGraphs:
         queued work, which may still replay them (not when a rank is gone: it would never end)."""
         if wait and torch.cuda.is_available() and (self.decode or self.piecewise is not None):
             torch.cuda.synchronize()
+        # reset() destroys a graph now, whoever else still refers to it (a cycle would keep it alive)
+        for graph in self.decode.values():
+            graph.reset()
         self.decode.clear()
         self.decode_logits.clear()
         if self.piecewise is not None:
-            self.piecewise.graphs.clear()  # destroyed now, whoever else still refers to the PiecewiseGraphs
+            for piecewise in self.piecewise.graphs.values():
+                for graph in piecewise.pieces:
+                    graph.reset()
+            self.piecewise.graphs.clear()
             self.piecewise = None
