@@ -9,7 +9,8 @@ max_tokens the spec's, ignore_eos, temperature 0 and usage at the end. Per reque
 times TTFT (send to first content event) and every gap between content events (ITL); output
 tok/s is the tokens received over the time from the first arrival to the last token. The
 summary has routing-sim's keys (SimResult.summary): the load spread comes from the answers'
-x-roseray-replica header; the prefix-cache hit rate is not seen from outside (nan).
+x-roseray-replica header (engine replicas, whichever API process answered); the prefix-cache
+hit rate is not seen from outside (nan).
 
 Workloads: multi-tenant and no-sharing. Multi-turn is not replayed: a turn's prompt holds the
 previous turn's answer, and roseray's completions do not return token ids (return_token_ids
@@ -18,8 +19,14 @@ is refused) to rebuild it from.
 --compare-sim runs simulate() on the same workload with the server's replica count, policy
 (its router.policy: kv_queue is the simulator's `approximate`, the body-hash affinity it
 has), KV blocks per replica, token budget and the step-time model (a GPU fit), with Ray
-Serve's stats timing, and prints simulated vs measured TTFT p50/p90/p99, ITL p99 and output
-tok/s, PASS when TTFT p50 and p90 are within --tolerance (25%) of the measurement.
+Serve's stats timing and the engine's async scheduling, and prints simulated vs measured TTFT
+p50/p90/p99, ITL p99 and output tok/s, PASS when TTFT p50 and p90 are within --tolerance (25%)
+of the measurement. The simulator has no HTTP: every simulated TTFT gets the server's own
+latency, measured before the replay (the idle server's TTFT of a 4-token prompt, median of
+--warmup requests, less the simulated time of that request's step).
+
+--measured replay.json compares again without a server: the saved measurement and workload,
+simulated with this invocation's --step-model and --async-scheduling.
 """
 
 from __future__ import annotations
@@ -157,7 +164,7 @@ class Replay:
         ttft = [(r.event_times[0] if r.event_times else end) - r.arrival for r in records]
         itl = [b - a for r in records for a, b in zip(r.event_times, r.event_times[1:])]
         finished = [r for r in records if r.error is None]
-        per_replica = Counter(r.replica for r in records if r.replica is not None)
+        per_replica = Counter(engine_replica(r.replica) for r in records if r.replica is not None)
         send_lag = [r.sent - r.arrival for r in records if r.sent is not None]
         return SimResult(
             workload=self.workload.name, policy=policy, replicas=replicas, qps=qps, num_requests=len(records),
@@ -170,6 +177,11 @@ class Replay:
                    "send_lag_p99_ms": float(np.percentile(send_lag, 99) * 1e3) if send_lag else math.nan,
                    "idle_ttft_ms": float(np.median(self.idle_ttft_s) * 1e3) if self.idle_ttft_s else math.nan,
                    "replicas_seen": sorted(per_replica)})
+
+
+def engine_replica(header: str) -> str:
+    """The engine replica of an x-roseray-replica value (`<replica>/api<k>`: the API process too)."""
+    return header.split("/", 1)[0]
 
 
 def compare(simulated: dict, measured: dict, tolerance: float) -> list[dict]:
@@ -208,7 +220,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=_pair, default=(100, 300), metavar="MIN:MAX")
     p.add_argument("--vocab", type=int, default=VOCAB, help="prompt ids are drawn below this (the model's vocab)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=4, help="tiny requests before the replay (not measured)")
+    p.add_argument("--warmup", type=int, default=16,
+                   help="tiny requests before the replay (not in the results; their TTFT is the server's latency)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--compare-sim", action="store_true", help="also simulate the same workload and compare")
     p.add_argument("--replicas", type=int, default=2, help="the server's engine replicas")
@@ -222,25 +235,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--stats-period", type=float, default=0.5, help="the server's router.stats_period_s")
     p.add_argument("--kv-snapshot-every", type=int, default=20, help="the server's router.kv_snapshot_every")
+    p.add_argument("--async-scheduling", choices=("on", "off"), default="on",
+                   help="simulate the engine's async scheduling (on: its default on a GPU)")
+    p.add_argument("--measured", metavar="REPLAY_JSON",
+                   help="no replay: compare the measurement saved by --out again (its workload and server)")
     p.add_argument("--tolerance", type=float, default=0.25, help="PASS: TTFT p50 and p90 within this of measured")
     p.add_argument("--out", help="write the measured (and simulated) summaries and the comparison as JSON")
     return p.parse_args(argv)
 
 
-def simulate_same(workload, args: argparse.Namespace) -> dict:
+IDLE_PROMPT_TOKENS = 4  # the warm-up requests' prompts
+
+
+def simulate_same(workload, args: argparse.Namespace, idle_ttft_ms: float) -> dict:
+    """The simulator on the replayed workload and server; its TTFTs plus the server's own latency
+    (the idle TTFT less the simulated step of that request)."""
     model = StepTimeModel.from_json(args.step_model) if args.step_model else StepTimeModel()
     config = ReplicaConfig(num_blocks=args.kv_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                           async_scheduling=args.async_scheduling == "on")
     policy = POLICIES[SERVER_POLICIES[args.policy]](seed=args.seed, model=model)
     result = simulate(workload, policy, args.replicas, qps=args.qps, config=config, model=model,
                       stats_period_s=args.stats_period, max_sim_s=3 * args.duration + 60, seed=args.seed,
                       kv_snapshot_every=args.kv_snapshot_every, **serve_stats_timing(args.stats_period))
-    return {**result.summary(), "step_time_model": model.source}
+    idle_step_s = model.step_seconds(IDLE_PROMPT_TOKENS, 1, IDLE_PROMPT_TOKENS ** 2 / 2, 0, IDLE_PROMPT_TOKENS)
+    server_s = max(0.0, idle_ttft_ms / 1e3 - idle_step_s) if math.isfinite(idle_ttft_ms) else 0.0
+    result.ttft_s = result.ttft_s + server_s
+    return {**result.summary(), "step_time_model": model.source, "server_latency_ms": server_s * 1e3,
+            "async_scheduling": args.async_scheduling}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    workload = make_workload(args)
+def saved_measurement(args: argparse.Namespace) -> tuple[argparse.Namespace, dict]:
+    """--measured: the saved run's arguments (this invocation's simulator options kept) and measurement."""
+    saved = json.loads(Path(args.measured).read_text())
+    mine = {key: getattr(args, key) for key in ("step_model", "async_scheduling", "tolerance", "out", "measured")}
+    merged = argparse.Namespace(**{**vars(args), **saved["args"], **mine, "compare_sim": True})
+    for key in ("suffix_tokens", "output_tokens"):
+        setattr(merged, key, tuple(getattr(merged, key)))
+    return merged, saved["measured"]
+
+
+def replay_and_measure(args: argparse.Namespace, workload) -> tuple[dict, int]:
+    """Send the workload to the server; its measurement, and how many requests failed."""
     model_id = args.model or served_model(args.url)
     replay = Replay(workload, args.url, model_id, args.request_timeout)
     print(f"{workload.name}: {len(workload.specs)} requests over {args.duration:g} s at up to {args.qps:g} req/s "
@@ -250,17 +286,28 @@ def main(argv: list[str] | None = None) -> int:
     result = replay.result(start, args.policy, args.replicas, args.qps, time.perf_counter() - started)
     measured = {**result.summary(), **{k: result.extra[k] for k in ("num_errors", "send_lag_p99_ms", "idle_ttft_ms",
                                                                     "replicas_seen")}}
+    if result.extra["num_errors"]:
+        print(f"\n{result.extra['num_errors']} requests failed, e.g.: " + "; ".join(result.extra["errors"][:3]))
+    return measured, result.extra["num_errors"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.measured:
+        args, measured = saved_measurement(args)
+        workload, failed = make_workload(args), measured.get("num_errors", 0)
+    else:
+        workload = make_workload(args)
+        measured, failed = replay_and_measure(args, workload)
     print("\nmeasured:\n" + format_table([measured], COLUMNS_REPLAY))
     print(f"TTFT on the idle server (HTTP, routing, one tiny step): {measured['idle_ttft_ms']:.1f} ms; "
           f"sends late by up to {measured['send_lag_p99_ms']:.1f} ms (p99); replicas: {measured['replicas_seen']}")
-    if result.extra["num_errors"]:
-        print(f"\n{result.extra['num_errors']} requests failed, e.g.: " + "; ".join(result.extra["errors"][:3]))
     output = {"args": vars(args), "measured": measured}
-    code = 0 if not result.extra["num_errors"] else 1
     if args.compare_sim:
-        simulated = simulate_same(workload, args)
+        simulated = simulate_same(workload, args, measured["idle_ttft_ms"])
         rows = compare(simulated, measured, args.tolerance)
-        print(f"\nsimulated ({SERVER_POLICIES[args.policy]}, {simulated['step_time_model']}):\n"
+        print(f"\nsimulated ({SERVER_POLICIES[args.policy]}, {simulated['step_time_model']}; async scheduling "
+              f"{args.async_scheduling}; server latency {simulated['server_latency_ms']:.1f} ms added to TTFT):\n"
               + format_table([simulated], COLUMNS))
         print("\n" + format_comparison(rows, dict(COMPARED)))
         verdict = "PASS" if all(r["check"] == "PASS" for r in rows if r["metric"] in CHECKED) else "FAIL"
@@ -268,5 +315,4 @@ def main(argv: list[str] | None = None) -> int:
         output.update(simulated=simulated, comparison=rows, verdict=verdict)
     if args.out:
         Path(args.out).write_text(json.dumps(output, indent=2, default=str) + "\n")
-    return code
-
+    return 0 if not failed else 1

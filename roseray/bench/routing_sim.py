@@ -7,8 +7,11 @@ them with overlap off: `schedule()`, the step's tokens computed (`num_computed_t
 token appended to each request whose prompt is done (the ids the workload scripts, or 0),
 full blocks committed to the prefix cache, requests at their max_tokens finished
 (`finish_many`). The step lasts what the step-time model says; the next one starts when it
-ends. The router sees each replica's routing stats (queue, kv_free, ts) as Serve pulls them
-every `stats_period_s` (app.py's RouterArgs default: 0.5 s), each replica at its own phase;
+ends. With `ReplicaConfig.async_scheduling` (the engine's default on a GPU) the next step was
+scheduled when the current one started, so a request that reaches a busy replica joins the
+step after the next: it waits until the start of the step in flight has passed its arrival.
+The router sees each replica's routing stats (queue, kv_free, ts) as Serve pulls them every
+`stats_period_s` (app.py's RouterArgs default: 0.5 s), each replica at its own phase;
 for a policy that `wants_kv_events` (cache_aware), the stats also carry the replica's KV cache
 events as the app's replica sends them: the real KVEventFeed over the BlockManager's real
 event log (a batch per period, a snapshot every `kv_snapshot_every` periods or on resync).
@@ -65,6 +68,7 @@ class ReplicaConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 16384
+    async_scheduling: bool = False  # the next step scheduled while the current one runs (module docstring)
 
 
 @dataclass
@@ -115,18 +119,26 @@ class SimReplica:
         self.kv_feed = (KVEventFeed(_BlockManagerEvents(self.block_manager), kv_snapshot_every)
                         if kv_snapshot_every else None)
         self.batch: SchedulerOutput | None = None  # the step in flight
+        self.step_started_s = 0.0  # when the step in flight started
+        self.pending: deque[Request] = deque()  # async scheduling: arrived after the next step was scheduled
         self.num_requests = 0
         self.busy_s = 0.0
 
+    def add(self, request: Request) -> None:
+        if self.config.async_scheduling and self.batch is not None:
+            self.pending.append(request)
+        else:
+            self.scheduler.add(request)
+
     @property
     def num_active(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.waiting)
+        return len(self.scheduler.running) + len(self.scheduler.waiting) + len(self.pending)
 
     def take_stats(self, now: float) -> dict:
         """What the app's record_routing_stats answers now (with its KV events, if fed)."""
         stats = {"queue": self.num_active, "running": len(self.scheduler.running),
-                 "waiting": len(self.scheduler.waiting), "kv_free": self.block_manager.num_free_blocks,
-                 "kv_total": self.block_manager.num_blocks, "ts": now}
+                 "waiting": len(self.scheduler.waiting) + len(self.pending),
+                 "kv_free": self.block_manager.num_free_blocks, "kv_total": self.block_manager.num_blocks, "ts": now}
         if self.kv_feed is not None:
             stats["kv"] = _run_now(self.kv_feed.poll())
         return stats
@@ -135,12 +147,20 @@ class SimReplica:
         """Stats taken now and delivered at once."""
         self.routing_stats = self.take_stats(now)
 
-    def start_step(self) -> float | None:
+    def start_step(self, now: float) -> float | None:
         """Schedule the next step; its duration, or None when there is nothing to run."""
+        # async scheduling: this step was scheduled when the previous one started (nothing to run
+        # then: now, with everything that arrived since)
+        while self.pending and self.pending[0].arrival_time <= self.step_started_s:
+            self.scheduler.add(self.pending.popleft())
         batch = self.scheduler.schedule()
+        if not batch and self.pending:
+            while self.pending:
+                self.scheduler.add(self.pending.popleft())
+            batch = self.scheduler.schedule()
         if not batch:
             return None
-        self.batch = batch
+        self.batch, self.step_started_s = batch, now
         seconds = self.model.shape_seconds(step_shape(batch))
         self.busy_s += seconds
         return seconds
@@ -175,7 +195,8 @@ class SimReplica:
             self.scheduler.finish_many(finished, [RequestStatus.FINISHED_LENGTH] * len(finished))
 
     def check_integrity(self) -> None:
-        self.block_manager.check_integrity(list(self.scheduler.running) + list(self.scheduler.waiting))
+        self.block_manager.check_integrity(list(self.scheduler.running) + list(self.scheduler.waiting)
+                                           + list(self.pending))
 
 
 @dataclass
@@ -277,8 +298,7 @@ def simulate(workload, policy, num_replicas: int, *, qps: float = 0.0, config: R
             prompt = workload.prompt_ids(spec)
             replica = policy.choose(replicas, RouteRequest(prompt, spec.max_tokens, config.block_size), now)
             records[spec.request_id] = _Record(now, replica.replica_id, workload.output_ids(spec))
-            replica.scheduler.add(Request(spec.request_id, prompt, _PARAMS, max_tokens=spec.max_tokens,
-                                          arrival_time=now))
+            replica.add(Request(spec.request_id, prompt, _PARAMS, max_tokens=spec.max_tokens, arrival_time=now))
             replica.num_requests += 1
             if replica.batch is not None:
                 continue
@@ -289,7 +309,7 @@ def simulate(workload, policy, num_replicas: int, *, qps: float = 0.0, config: R
             steps += 1
             if check_every and steps % check_every == 0:
                 replica.check_integrity()
-        seconds = replica.start_step()
+        seconds = replica.start_step(now)
         if seconds is None:
             busy -= 1
             continue

@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-tokens", type=int, default=6000)
     p.add_argument("--kv-blocks", type=int, default=ReplicaConfig.num_blocks, help="per replica, of 16 tokens")
     p.add_argument("--max-num-batched-tokens", type=int, default=ReplicaConfig.max_num_batched_tokens)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="each replica schedules its next step while the current one runs (as the engine on a "
+                        "GPU): an arrival at a busy replica waits one step longer")
     p.add_argument("--stats-period", type=float, default=0.5, help="seconds between routing-stats pulls")
     p.add_argument("--serve-stats-timing", action="store_true",
                    help="stats pulled and delivered with Ray Serve's controller's timing (routing_sim.py), "
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown workload or policy: {unknown}")
     model = StepTimeModel.from_json(args.step_model) if args.step_model else StepTimeModel()
-    config = ReplicaConfig(num_blocks=args.kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens)
+    config = ReplicaConfig(num_blocks=args.kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+                           async_scheduling=args.async_scheduling)
     rows, started = [], time.perf_counter()
     timing = serve_stats_timing(args.stats_period) if args.serve_stats_timing else {}
     for workload_name in args.workloads:

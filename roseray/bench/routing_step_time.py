@@ -6,12 +6,14 @@ step time = base_s
           + seq_s          x sequences that sample a token (lm_head row, sampler)
           + attn_pair_s    x prefill attention pairs: per chunk, chunk x (prefix + chunk / 2)
           + decode_ctx_s   x total context of the decoding sequences (KV bytes read)
+          + prefill_ctx_s  x total context of the prefill chunks (prefix + chunk: the KV each
+                             chunk's attention walks, one query tile after another)
 
 A step's terms come from the batch the real Scheduler formed (`step_shape`), the same way for
 the simulator and for the measurements. The coefficients come from `python -m roseray.bench
 step-time` (step_time_fit.py): roseray's real engine on a GPU runs steps of controlled shapes
 (prefill chunks after cached prefixes, decode batches at given contexts, both mixed), and
-`fit_step_time` fits the five coefficients by non-negative least squares on relative error;
+`fit_step_time` fits the six coefficients by non-negative least squares on relative error;
 the JSON it writes records the fit's relative error (`fit_rel_err_*`) and its `source` (model,
 GPU, date). `routing-sim --step-model fit.json` loads it.
 
@@ -28,6 +30,9 @@ roseray on the Qwen3-0.6B geometry (28 layers, 16 q / 8 KV heads of 128, bf16; B
   the step's fixed cost after its decode attention (~5 ms): ~1 ms fixed + 512 x ~7 us.
 - seq_s = 2 us per sampled sequence: the lm_head row and the sampler's and host's per-request work.
 - base_s = 1 ms: the weights read once per step (1.2 GB at 3 TB/s: 0.4 ms) plus launches.
+- prefill_ctx_s = 0: not in the hand-derived model. The first H100 fit (2026-11-26) found it:
+  a chunk of 128 or 512 tokens costs ~0.75 us more per token of cached prefix, whatever its size,
+  where the pairs alone predict 0.1-0.4 us: few query tiles walk a long prefix serially.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-COEFFICIENTS = ("base_s", "token_s", "seq_s", "attn_pair_s", "decode_ctx_s")
+COEFFICIENTS = ("base_s", "token_s", "seq_s", "attn_pair_s", "decode_ctx_s", "prefill_ctx_s")
 
 
 @dataclass(frozen=True)
@@ -50,18 +55,20 @@ class StepShape:
     num_sampled: int
     attn_pairs: float
     decode_context: int
+    prefill_context: int = 0
 
     def terms(self) -> tuple[float, ...]:
         """The values that multiply COEFFICIENTS, in order."""
         return (1.0, float(self.num_tokens), float(self.num_sampled), float(self.attn_pairs),
-                float(self.decode_context))
+                float(self.decode_context), float(self.prefill_context))
 
 
 def step_shape(batch) -> StepShape:
     """The shape of a SchedulerOutput just scheduled (before its tokens are counted as computed):
     a request whose new tokens reach its length samples; one new token after the prompt is a
-    decode reading `computed + 1` tokens of KV; anything else is a prefill chunk."""
-    num_sampled, pairs, decode_ctx = 0, 0.0, 0
+    decode reading `computed + 1` tokens of KV; anything else is a prefill chunk, reading
+    `computed + num_new`."""
+    num_sampled, pairs, decode_ctx, prefill_ctx = 0, 0.0, 0, 0
     for req, num_new in zip(batch.requests, batch.num_new_tokens):
         computed = req.num_computed_tokens
         if computed + num_new == req.num_tokens:
@@ -70,7 +77,8 @@ def step_shape(batch) -> StepShape:
             decode_ctx += computed + 1
         else:
             pairs += num_new * (computed + num_new / 2)
-    return StepShape(batch.num_tokens, num_sampled, pairs, decode_ctx)
+            prefill_ctx += computed + num_new
+    return StepShape(batch.num_tokens, num_sampled, pairs, decode_ctx, prefill_ctx)
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ class StepTimeModel:
     seq_s: float = 2.0e-6
     attn_pair_s: float = 0.9e-9
     decode_ctx_s: float = 40e-9
+    prefill_ctx_s: float = 0.0
     source: str = "provisional: hand-derived from H100 Qwen3-0.6B figures in BENCHMARKS.md"
     # a fit's relative error |predicted - measured| / measured over its points (None: not fitted)
     fit_rel_err_p50: float | None = None
@@ -87,18 +96,23 @@ class StepTimeModel:
     fit_rel_err_max: float | None = None
     fit_points: int = 0
 
-    def step_seconds(self, num_tokens: int, num_sampled: int, attn_pairs: float, decode_context: int) -> float:
+    def step_seconds(self, num_tokens: int, num_sampled: int, attn_pairs: float, decode_context: int,
+                     prefill_context: int = 0) -> float:
         """One step: `num_tokens` computed, `num_sampled` sequences sampled, `attn_pairs`
-        prefill (query, key) pairs, `decode_context` tokens of KV read by the decodes."""
+        prefill (query, key) pairs, `decode_context` tokens of KV read by the decodes,
+        `prefill_context` by the prefill chunks."""
         return (self.base_s + self.token_s * num_tokens + self.seq_s * num_sampled
-                + self.attn_pair_s * attn_pairs + self.decode_ctx_s * decode_context)
+                + self.attn_pair_s * attn_pairs + self.decode_ctx_s * decode_context
+                + self.prefill_ctx_s * prefill_context)
 
     def shape_seconds(self, shape: StepShape) -> float:
-        return self.step_seconds(shape.num_tokens, shape.num_sampled, shape.attn_pairs, shape.decode_context)
+        return self.step_seconds(shape.num_tokens, shape.num_sampled, shape.attn_pairs, shape.decode_context,
+                                 shape.prefill_context)
 
     def prefill_seconds(self, num_tokens: int, prefix_tokens: int) -> float:
-        """The marginal cost of prefilling `num_tokens` after `prefix_tokens` already cached."""
-        return self.token_s * num_tokens + self.attn_pair_s * num_tokens * (prefix_tokens + num_tokens / 2)
+        """The marginal cost of prefilling `num_tokens` after `prefix_tokens` already cached (one chunk)."""
+        return (self.token_s * num_tokens + self.attn_pair_s * num_tokens * (prefix_tokens + num_tokens / 2)
+                + self.prefill_ctx_s * (prefix_tokens + num_tokens))
 
     def decode_seconds_per_seq(self, context: int) -> float:
         """What one more decoding sequence of `context` tokens adds to every step."""

@@ -41,7 +41,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from roseray.bench.routing_step_time import StepShape, StepTimeModel, fit_step_time, relative_errors, step_shape
+from roseray.bench.routing_step_time import (
+    COEFFICIENTS,
+    StepShape,
+    StepTimeModel,
+    fit_step_time,
+    relative_errors,
+    step_shape,
+)
 from roseray.config import LOAD_FORMATS, EngineConfig
 from roseray.engine.engine import LLMEngine
 from roseray.sampling_params import SamplingParams
@@ -165,6 +172,7 @@ class StepBench:
         return ids
 
     def stop(self, ids: list[str]) -> None:
+        """Abort `ids` and step until the engine is idle (every other request must be done too)."""
         for request_id in ids:
             self.engine.abort_request(request_id)
         self._step_until(lambda: not self.engine.has_unfinished_requests())
@@ -197,7 +205,8 @@ class StepBench:
                 shapes += self.recorder.shapes[mark:]
         finally:
             engine.scheduler.max_num_batched_tokens = self.budget
-        self.stop([i for i in prefill_ids if i in engine.requests])
+        for request_id in prefill_ids:  # the group's decodes run on into its next point
+            engine.abort_request(request_id)
         mean = StepShape(*(float(np.mean([getattr(s, f) for s in shapes]))
                            for f in ("num_tokens", "num_sampled", "attn_pairs", "decode_context")))
         return Measurement(point, mean, median(windows), windows)
@@ -250,8 +259,7 @@ def format_report(model: StepTimeModel, measurements: list[Measurement]) -> str:
                          f"max {max(mine):.1%}")
     lines.append(f"all: relative error p50 {model.fit_rel_err_p50:.1%}, p90 {model.fit_rel_err_p90:.1%}, "
                  f"max {model.fit_rel_err_max:.1%} over {model.fit_points} points")
-    lines.append("coefficients: " + ", ".join(f"{k} {getattr(model, k):.4g}" for k in
-                                             ("base_s", "token_s", "seq_s", "attn_pair_s", "decode_ctx_s")))
+    lines.append("coefficients: " + ", ".join(f"{k} {getattr(model, k):.4g}" for k in COEFFICIENTS))
     return "\n".join(lines)
 
 

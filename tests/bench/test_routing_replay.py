@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from roseray.bench.routing_replay import compare
+from roseray.bench.routing_replay import compare, engine_replica
 from roseray.bench.routing_replay import main as replay_main
 from roseray.bench.routing_sim_cli import COLUMNS
 from roseray.config import EngineConfig
@@ -36,6 +36,18 @@ def test_replay_against_a_server_and_compare_with_the_simulator(tmp_path, capsys
     assert 0 < measured["ttft_p50_s"] <= measured["ttft_p90_s"] and measured["output_tok_s"] > 0
     assert [r["metric"] for r in result["comparison"]][:2] == ["ttft_p50_s", "ttft_p90_s"]
     assert result["verdict"] in ("PASS", "FAIL") and "| ttft_p90_s |" in printed
+    assert simulated["async_scheduling"] == "on" and simulated["server_latency_ms"] >= 0
+    # the saved run compared again, no server: same measurement, the simulator with other options
+    again = tmp_path / "again.json"
+    assert replay_main(["--measured", str(out), "--async-scheduling", "off", "--out", str(again)]) == 0
+    second = json.loads(again.read_text())
+    assert second["measured"] == measured and second["args"]["qps"] == 6 and second["args"]["tenants"] == 2
+    assert second["simulated"]["requests"] == measured["requests"]
+    assert second["simulated"]["async_scheduling"] == "off" and "server latency" in capsys.readouterr().out
+
+
+def test_load_spread_counts_engine_replicas_not_api_processes():
+    assert engine_replica("Engine#ab12/api3") == "Engine#ab12" and engine_replica("test-replica-0") == "test-replica-0"
 
 
 def test_compare_checks_ttft_p50_and_p90_only():

@@ -11,9 +11,11 @@ import pytest
 
 from roseray.bench.routing_sim_cli import main as routing_sim_main
 from roseray.bench.routing_step_time import COEFFICIENTS, StepShape, StepTimeModel, fit_step_time, nnls
+from roseray.bench.step_time_fit import Point, StepBench, build_engine, parse_args
 from roseray.bench.step_time_fit import main as step_time_main
 
-TRUE = StepTimeModel(base_s=2.5e-3, token_s=4.0e-6, seq_s=3.0e-6, attn_pair_s=0.7e-9, decode_ctx_s=25e-9)
+TRUE = StepTimeModel(base_s=2.5e-3, token_s=4.0e-6, seq_s=3.0e-6, attn_pair_s=0.7e-9, decode_ctx_s=25e-9,
+                     prefill_ctx_s=0.6e-6)
 
 
 def _grid_shapes() -> list[StepShape]:
@@ -21,12 +23,13 @@ def _grid_shapes() -> list[StepShape]:
     shapes = []
     for prefix in (0, 2048, 6144):
         for chunk in (128, 512, 2048, 8192):
-            shapes.append(StepShape(chunk, 1, chunk * (prefix + chunk / 2), 0))
+            shapes.append(StepShape(chunk, 1, chunk * (prefix + chunk / 2), 0, prefix + chunk))
     for context in (256, 1024, 3072):
         for batch in (1, 16, 64, 192):
             shapes.append(StepShape(batch, batch, 0.0, batch * context))
     for batch, context, chunk, prefix in ((32, 1024, 512, 0), (64, 2048, 1024, 4096), (128, 512, 256, 6144)):
-        shapes.append(StepShape(batch + chunk, batch + 1, chunk * (prefix + chunk / 2), batch * context))
+        shapes.append(StepShape(batch + chunk, batch + 1, chunk * (prefix + chunk / 2), batch * context,
+                                prefix + chunk))
     return shapes
 
 
@@ -37,7 +40,7 @@ def test_fit_recovers_known_coefficients(noise):
     seconds = [TRUE.shape_seconds(s) * (1 + noise * rng.standard_normal()) for s in shapes]
     model = fit_step_time(shapes, seconds, source="synthetic")
     # seq_s is small beside the others (a decode's token_s + decode context): looser
-    for name, tolerance in zip(COEFFICIENTS, (0.05, 0.1, 0.6, 0.05, 0.05)):
+    for name, tolerance in zip(COEFFICIENTS, (0.05, 0.1, 0.6, 0.05, 0.05, 0.1), strict=True):
         truth = getattr(TRUE, name)
         assert abs(getattr(model, name) - truth) <= (tolerance * truth if noise else 1e-6 * truth), name
     assert model.fit_points == len(shapes) and model.source == "synthetic"
@@ -84,3 +87,19 @@ def test_model_json_stays_strict(tmp_path):
     path.write_text(json.dumps({"base_s": 1e-3, "tokens_s": 1e-6}))
     with pytest.raises(ValueError, match="tokens_s"):
         StepTimeModel.from_json(path)
+
+
+def test_a_point_steps_only_its_windows_and_leaves_the_decodes_running():
+    """A decode point must not run its group's decodes to their end (max_model_len away) before the
+    next point: only warmup + repeats * steps engine steps, and the decodes still there afterwards."""
+    args = parse_args(["--model", "random:tiny", "--device", "cpu"])
+    points = [Point(decodes=3, context=32), Point(decodes=3, context=32, chunk=16)]
+    bench = StepBench(build_engine(args, points, decode_tokens=64), steps=2, repeats=2, warmup=1)
+    ids = bench.start_decodes(3, 32, max_tokens=bench.engine.max_model_len - 32)
+    for point in points:
+        before = len(bench.recorder.shapes)
+        bench.measure(point)
+        assert len(bench.recorder.shapes) - before == 1 + 2 * 2
+        assert all(request_id in bench.engine.requests for request_id in ids)
+    bench.stop(ids)
+    assert not bench.engine.has_unfinished_requests()
