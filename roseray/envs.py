@@ -22,6 +22,9 @@ HAPROXY_SPLICE_ENV = "ROSERAY_HAPROXY_SPLICE"
 HAPROXY_REUSE_ENV = "ROSERAY_HAPROXY_REUSE"
 # Ray's: Router replicas Ray runs on each proxy node (read by Ray's controller at `ray start`)
 ROUTER_REPLICAS_ENV = "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"
+# tensor-parallel all-reduce on GPUs: "auto" (default: symmetric memory for small tensors, else NCCL),
+# "nccl", "one_shot" or "two_shot" (symmetric memory up to its buffer; an A/B switch)
+TP_ALL_REDUCE_ENV = "ROSERAY_TP_ALL_REDUCE"
 # CUDA's: the GPUs this process may use ("" or "-1": none)
 CUDA_VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 
@@ -44,6 +47,11 @@ def add_flush() -> str:
 def router_replicas_per_node() -> int:
     """RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE (Ray's default, 1, when unset or empty)."""
     return int(os.environ.get(ROUTER_REPLICAS_ENV) or 1)
+
+
+def tp_all_reduce() -> str:
+    """ROSERAY_TP_ALL_REDUCE ("auto" when unset or empty)."""
+    return os.environ.get(TP_ALL_REDUCE_ENV) or "auto"
 
 
 def cuda_visible_devices() -> str | None:

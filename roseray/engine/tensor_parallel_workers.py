@@ -2,8 +2,10 @@
 
 Rank 0 runs everything of an engine (scheduler, block manager, sampler, detokenizer) once. Each
 step its ModelRunner fills the staging buffer as usual, then `StepChannel.send` broadcasts the
-step's plan (a few ints), the used part of the staging buffer and, when the step fills in tokens
-sampled by another path, those tokens; every rank then runs the same plan on its shard of the
+step's plan (a few ints, host to host over gloo, so that neither side waits on its device: each
+rank queues its step behind the one still running, as rank 0 alone would), the used part of the
+staging buffer and, when the step fills in tokens sampled by another path, those tokens (both on
+the devices); every rank then runs the same plan on its shard of the
 model (roseray.layers.tensor_parallel), meeting in the layers' all-reduces and the logits'
 all-gather. Workers never schedule, sample or detokenize: the host cost per step is one header
 broadcast and one buffer broadcast, whatever N.
@@ -28,7 +30,7 @@ import weakref
 import torch
 
 from roseray.config import EngineConfig
-from roseray.distributed import broadcast, init_tensor_parallel, shutdown_tensor_parallel
+from roseray.distributed import broadcast, broadcast_host, init_tensor_parallel, shutdown_tensor_parallel
 from roseray.engine.captured_graphs import CapturedGraphs
 from roseray.engine.model_runner import ModelRunner
 from roseray.engine.step_inputs import PLAN_LENGTHS, STOP, StepPlan
@@ -47,9 +49,7 @@ class StepChannel:
     """Rank 0 -> the other ranks: each step's plan, staging buffer and in-flight tokens."""
 
     def __init__(self, device: torch.device, max_num_seqs: int, processes: list | None = None) -> None:
-        self.header = torch.zeros(HEADER, dtype=torch.int64, device=device)
-        # rank 0 fills this host copy each step (no per-step tensor), then one copy to `header`
-        self._host_header = torch.zeros(HEADER, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.header = torch.zeros(HEADER, dtype=torch.int64)  # on the host: filled in place each step
         self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)  # a worker's receive buffer
         self.processes = processes or []  # rank 0: the workers, checked before each step
 
@@ -62,19 +62,18 @@ class StepChannel:
             mode, count = OWN_DECODE_TOKENS, 0
         else:
             mode, count = SENT_TOKENS, in_flight.shape[0]
-        host = self._host_header.numpy()
+        host = self.header.numpy()
         host[:] = 0
         host[: len(plan)] = plan
         host[HEADER - 2:] = (mode, count)
-        self.header.copy_(self._host_header)  # synchronous from pinned memory: the next step may refill it
-        broadcast(self.header)
+        broadcast_host(self.header)  # returns once sent: the next step may refill it
         if plan[0] != STOP:
             broadcast(buffer[: plan[1]])
         if mode == SENT_TOKENS:
             broadcast(in_flight.to(torch.int64).contiguous())
 
     def recv(self, buffer: torch.Tensor, decode_tokens: torch.Tensor) -> tuple[StepPlan, torch.Tensor | None]:
-        broadcast(self.header)
+        broadcast_host(self.header)
         values = self.header.tolist()
         plan = tuple(values[: PLAN_LENGTHS[values[0]]])
         mode, count = values[HEADER - 2:]
