@@ -5,10 +5,12 @@ that routing-sim loads."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import roseray.bench
 from roseray.bench.routing_sim_cli import main as routing_sim_main
 from roseray.bench.routing_step_time import COEFFICIENTS, StepShape, StepTimeModel, fit_step_time, nnls
 from roseray.bench.step_time_fit import Point, StepBench, build_engine, parse_args
@@ -103,3 +105,10 @@ def test_a_point_steps_only_its_windows_and_leaves_the_decodes_running():
         assert all(request_id in bench.engine.requests for request_id in ids)
     bench.stop(ids)
     assert not bench.engine.has_unfinished_requests()
+
+
+def test_the_shipped_h100_fit_loads():
+    path = Path(roseray.bench.__file__).parent / "fits" / "h100-qwen3-0.6b.json"
+    model = StepTimeModel.from_json(path)
+    assert model.fit_points == 27 and "H100" in model.source and model.prefill_ctx_s > 0
+    assert model.fit_rel_err_p50 < 0.1
