@@ -14,14 +14,22 @@ lengths read from device memory; no host syncs):
   on tiles of >= 16 rows (the group's heads packed); MHA (GPT-2) would fill one of those 16
   rows and pay the tile's shared memory for nothing, so a group of one takes a dot-free form:
   q.k and p.v summed in the registers of the K/V tiles.
-- general (prefill and mixed batches): one program per (query tile, KV head); a tile is
-  BLOCK_Q tokens of one sequence, found by binary search over query_start_loc.
+- general (prefill and mixed batches): one program per (query tile, KV head, KV split); a
+  tile is BLOCK_Q tokens of one sequence (BLOCK_M rows of packed heads), found by binary
+  search over query_start_loc. A large grid (long chunks, big mixed batches) runs one split:
+  the single-pass kernel, no workspace, no second launch. A small one (a short chunk after a
+  long cached prefix: a few dozen tiles on a GPU of 132 SMs, each walking the whole prefix)
+  splits every tile's key range into S parts, S a power of two chosen from python ints only
+  (the tile bound num_tokens // BLOCK_Q + num_seqs, the KV heads, the SM count and the
+  max_seq_len hint, or a window's span); each split's range is computed in the kernel from
+  the sequence's length, so one S serves any lengths at replay. The splits' partials are
+  combined per token row by the same combine kernel as decode's (paged_attention_combine).
 
 Layer options (each a compile-time flag of the kernels; a layer without them runs the plain
 kernels): `sliding_window` (keys in (p - window, p] for a query at p; cache blocks wholly
 before the window are not read), `softcap` (scores -> cap * tanh(scores / cap)) and `sinks`
-(a per-head logit in every softmax's denominator). The jitted code is in
-paged_attention_kernels.
+(a per-head logit in every softmax's denominator; with splits it is counted once, in the
+combine). The jitted code is in paged_attention_kernels and paged_attention_combine.
 
 fp8 KV cache (torch.float8_e4m3fn, written by kv_append with per-layer k_scale / v_scale):
 the kernels convert each K/V tile to the query's dtype after loading it; k_scale is folded
@@ -39,7 +47,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .paged_attention_kernels import combine_splits_kernel, decode_kernel, general_kernel
+from .paged_attention_combine import combine_splits_kernel
+from .paged_attention_kernels import decode_kernel, general_kernel
 
 LOG2E = 1.4426950408889634
 FP8_DTYPE = torch.float8_e4m3fn
@@ -73,6 +82,11 @@ PREFILL_CONFIG_D256 = KernelConfig(block_n=32, num_warps=8, num_stages=2, block_
 # already enough programs and gets slower when split.
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
+# The general kernel's splits (a short prefill chunk after a long cached prefix): each split
+# program loads its [BLOCK_M, D] query tile and writes a [BLOCK_M, D] fp32 partial, so a split
+# gets at least this many keys and there are fewer of them than in decode.
+MAX_GENERAL_SPLITS = 16
+MIN_KEYS_PER_GENERAL_SPLIT = 256
 
 
 def decode_config(group: int, head_dim: int) -> KernelConfig:
@@ -94,17 +108,44 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_sms(device: torch.device) -> int:
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def splits_for_grid(programs: int, keys: int, num_sms: int, min_keys: int, max_splits: int) -> int:
+    """KV splits for a grid of `programs` (before splitting) that each read up to `keys` keys:
+    enough programs to fill the GPU twice, at least `min_keys` keys each (rounded up to a power
+    of two, so few compiled variants), at most `max_splits`; 1 when the grid already fills it."""
+    target = 2 * num_sms
+    if programs >= target or keys <= min_keys:
+        return 1
+    splits = min(triton.cdiv(target, programs), triton.cdiv(keys, min_keys))
+    return min(triton.next_power_of_2(splits), max_splits)
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """KV splits for decode: enough programs to fill the GPU twice, at least
-    MIN_TOKENS_PER_SPLIT keys each; a power of two (few compiled variants)."""
+    """KV splits for decode (one program per sequence and KV head before splitting)."""
     if device.type != "cuda":
         return 1
-    programs = num_seqs * num_kv_heads
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= target or max_seq_len <= MIN_TOKENS_PER_SPLIT:
+    return splits_for_grid(num_seqs * num_kv_heads, max_seq_len, _device_sms(device), MIN_TOKENS_PER_SPLIT,
+                           MAX_SPLITS)
+
+
+def general_tiles_bound(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """Query tiles of a general launch at most (every sequence's last tile may be partial); the
+    grid holds one more, for padding rows."""
+    return num_tokens // block_q + num_seqs
+
+
+def choose_general_splits(num_tokens: int, num_seqs: int, block_q: int, num_kv_heads: int, keys: int,
+                          device: torch.device) -> int:
+    """KV splits for the general kernel, from python ints only (so one choice serves a CUDA graph
+    or a token bucket whatever the lengths at replay): the tile bound x KV heads against the SMs,
+    `keys` an upper bound of the keys a tile reads (max_seq_len, or the window's span)."""
+    if device.type != "cuda":
         return 1
-    splits = min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
-    return min(triton.next_power_of_2(splits), MAX_SPLITS)
+    programs = general_tiles_bound(num_tokens, num_seqs, block_q) * num_kv_heads
+    return splits_for_grid(programs, keys, _device_sms(device), MIN_KEYS_PER_GENERAL_SPLIT, MAX_GENERAL_SPLITS)
 
 
 def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
@@ -132,7 +173,7 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,  # host hint only (sizes split-KV); may be the model's max length
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    num_splits: int | None = None,  # decode KV splits; None = choose from the shapes
+    num_splits: int | None = None,  # KV splits (a power of two); None = choose from the shapes
     *,
     sliding_window: int | None = None,  # a query at position p sees keys in (p - sliding_window, p]
     softcap: float | None = None,  # scores (after scale) -> softcap * tanh(scores / softcap)
@@ -148,16 +189,23 @@ def paged_attention(
     if num_tokens == 0:
         return out
     options = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    num_seqs, num_kv_heads, page = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
     if max_query_len <= 1:
         if num_splits is None:
-            keys_read = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + k_cache.shape[1])
-            num_splits = choose_num_splits(seq_lens.shape[0], k_cache.shape[2], keys_read, query.device)
+            keys_read = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + page)
+            num_splits = choose_num_splits(num_seqs, num_kv_heads, keys_read, query.device)
         cfg = decode_config(_group(query, k_cache)[0], query.shape[2])
         _launch_decode(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
                        num_splits, cfg, **options)
     else:
+        cfg = prefill_config(query.shape[2])
+        block_q = _block_q(cfg, _group(query, k_cache)[1])
+        if num_splits is None:
+            # a tile's keys: the whole sequence, or its earliest query's window (from a block start) to its last
+            span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + page + block_q)
+            num_splits = choose_general_splits(num_tokens, num_seqs, block_q, num_kv_heads, span, query.device)
         _launch_general(query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale,
-                        prefill_config(query.shape[2]), **options)
+                        num_splits, cfg, **options)
     return out
 
 
@@ -196,18 +244,31 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _block_q(cfg: KernelConfig, group_pad: int) -> int:
+    """Query tokens per general tile: BLOCK_M rows of packed heads, at least 16 rows (tl.dot)."""
+    return max(1, cfg.block_m // group_pad, triton.cdiv(16, group_pad))
+
+
+def _split_workspace(query: torch.Tensor, out: torch.Tensor, units: int,
+                     num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-split partials for `units` (sequences or token rows) x heads: acc [.., D] and (m, l) fp32.
+    A single pass has none: `out` stands in for both (the kernel does not touch them)."""
+    if num_splits == 1:
+        return out, out
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    assert num_splits > 1 and num_splits & (num_splits - 1) == 0, f"num_splits must be a power of two: {num_splits}"
+    part_acc = torch.empty((units, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+    part_ml = torch.empty((units, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
+    return part_acc, part_ml
+
+
 def _launch_decode(query, k_cache, v_cache, out, qsl, seq_lens, tables, scale, num_splits, cfg: KernelConfig, *,
                    sliding_window=None, softcap=None, sinks=None, k_scale=1.0, v_scale=1.0):
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     group, group_pad = _group(query, k_cache)
     assert cfg.use_dot or group == 1, "the dot-free decode takes one query head per KV head"
-    if num_splits > 1:
-        assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
-        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
-        part_ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=query.device)
-    else:
-        part_acc = part_ml = out  # unused
+    part_acc, part_ml = _split_workspace(query, out, num_seqs, num_splits)
     sinks_arg, scalars, flags = _option_args(query, k_cache, scale, sliding_window, softcap, sinks, k_scale, v_scale)
     sqt, sqh, sot, soh, stab, skb, sks, skh = _common_args(query, k_cache, out, tables)
     grid = (max(num_seqs, num_tokens), num_kv_heads, num_splits)
@@ -221,25 +282,30 @@ def _launch_decode(query, k_cache, v_cache, out, qsl, seq_lens, tables, scale, n
     )
     if num_splits > 1 and num_seqs > 0:
         combine_splits_kernel[(num_seqs, num_heads)](
-            out, qsl, part_acc, part_ml, sinks_arg, num_heads, sot, soh,
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_SINKS=flags["HAS_SINKS"], num_warps=4,
+            out, qsl, part_acc, part_ml, sinks_arg, num_seqs, num_heads, sot, soh,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_SINKS=flags["HAS_SINKS"], PER_TOKEN=False, num_warps=4,
         )
 
 
-def _launch_general(query, k_cache, v_cache, out, qsl, seq_lens, tables, scale, cfg: KernelConfig, *,
+def _launch_general(query, k_cache, v_cache, out, qsl, seq_lens, tables, scale, num_splits, cfg: KernelConfig, *,
                     sliding_window=None, softcap=None, sinks=None, k_scale=1.0, v_scale=1.0):
-    num_tokens, _, head_dim = query.shape
+    num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     group, group_pad = _group(query, k_cache)
-    block_q = max(1, cfg.block_m // group_pad)
-    block_q = max(block_q, triton.cdiv(16, group_pad))  # tl.dot needs >= 16 rows
+    block_q = _block_q(cfg, group_pad)
+    part_acc, part_ml = _split_workspace(query, out, num_tokens, num_splits)
     sinks_arg, scalars, flags = _option_args(query, k_cache, scale, sliding_window, softcap, sinks, k_scale, v_scale)
     sqt, sqh, sot, soh, stab, skb, sks, skh = _common_args(query, k_cache, out, tables)
-    grid = (num_tokens // block_q + num_seqs + 1, num_kv_heads)
+    grid = (general_tiles_bound(num_tokens, num_seqs, block_q) + 1, num_kv_heads, num_splits)
     general_kernel[grid](
-        query, k_cache, v_cache, out, qsl, seq_lens, tables, sinks_arg,
+        query, k_cache, v_cache, out, qsl, seq_lens, tables, part_acc, part_ml, sinks_arg,
         *scalars, num_seqs, num_tokens, sqt, sqh, sot, soh, stab, skb, sks, skh,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
-        BLOCK_N=cfg.block_n, DOT_PRECISION=_dot_precision(query.dtype), **flags,
+        BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits, DOT_PRECISION=_dot_precision(query.dtype), **flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if num_splits > 1:
+        combine_splits_kernel[(num_tokens, num_heads)](
+            out, qsl, part_acc, part_ml, sinks_arg, num_seqs, num_heads, sot, soh,
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_SINKS=flags["HAS_SINKS"], PER_TOKEN=True, num_warps=4,
+        )

@@ -1,4 +1,6 @@
-"""The jitted kernels of paged attention (launched by roseray_kernels.paged_attention).
+"""The jitted kernels of paged attention (launched by roseray_kernels.paged_attention): decode
+and general, each with an optional KV split (NUM_SPLITS > 1: partials for the combine kernel in
+paged_attention_combine; NUM_SPLITS == 1 compiles to the single-pass kernel).
 
 Scores are kept in log2 units (the host folds log2(e) into the scale) so the online
 softmax runs on exp2. The layer options are constexpr flags, so a layer without them
@@ -11,8 +13,8 @@ compiles to exactly the plain kernel:
   qk_scale = scale / cap and cap_l2 = cap * log2(e): tanh sees s / cap, and its result
   lands in log2 units.
 - HAS_SINKS: one extra logit per query head in every softmax's denominator, attending to
-  nothing. It is folded in once, after the online softmax (`_add_sink`); with split-KV
-  decode, in the combine kernel only.
+  nothing. It is folded in once, after the online softmax (`_add_sink`); with split-KV,
+  in the combine kernel only.
 - KV_FP8: the cache holds e4m3 values; K/V tiles are converted to the query's dtype after
   the load (the dots run as in the plain kernel). The host folds k_scale into qk_scale; the
   output (or, with split-KV, each split's accumulator) is multiplied by v_scale once.
@@ -230,39 +232,8 @@ def decode_kernel(
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=head_ok)
 
 
-@triton.jit
-def combine_splits_kernel(
-    out_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
-):
-    """out[row(seq), head] = sum_s w_s acc_s / (sum_s w_s l_s [+ w_sink]), w_s = 2^(m_s - max m):
-    the sink, when there is one, counted here once for all the splits."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_row = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) - q_row == 0:
-        return
-    splits = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
-    part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits  # [SPLITS]
-    m = tl.load(part_ml_ptr + part * 2)
-    l = tl.load(part_ml_ptr + part * 2 + 1)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])  # [SPLITS, D]
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
-        m_max = tl.maximum(tl.max(m, 0), sink)
-        w = tl.exp2(m - m_max)
-        denom = tl.sum(w * l, 0) + tl.exp2(sink - m_max)
-    else:
-        w = tl.exp2(m - tl.max(m, 0))
-        denom = tl.sum(w * l, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)  # [D]
-    o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
-
-
 # ---------------------------------------------------------------------------------------
-# General: one program per (query tile of one sequence, KV head)
+# General: one program per (query tile of one sequence, KV head, split)
 # ---------------------------------------------------------------------------------------
 @triton.jit
 def _tile_start(qsl_ptr, seq, BLOCK_Q: tl.constexpr):
@@ -288,14 +259,20 @@ def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 def general_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     qsl_ptr, seq_lens_ptr, tables_ptr,
+    part_acc_ptr, part_ml_ptr,  # split workspace (NUM_SPLITS > 1): [T, H, SPLITS, D] fp32, [T, H, SPLITS, 2] fp32
     sinks_ptr,  # [H] sink logits (HAS_SINKS)
     qk_scale, window, cap_l2, v_scale, num_seqs, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
     stride_kb, stride_ks, stride_kh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr,
 ):
+    """With NUM_SPLITS == 1 a program walks its tile's whole key range and writes the output.
+    With more, split s of a tile walks the s-th BLOCK_N-aligned part of that range (computed
+    here from the sequence's length, so any lengths fit one compiled split count) and leaves
+    its partial (acc, m, l) per row and head for combine_splits_kernel; the sink is left to
+    the combine."""
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -310,6 +287,8 @@ def general_kernel(
     first = (tile - _tile_start(qsl_ptr, seq, BLOCK_Q)) * BLOCK_Q  # first query row of the tile in seq
     if seq == num_seqs:  # past the last sequence: zero the padding rows
         rows = q_begin + first + tok
+        if NUM_SPLITS > 1:  # split 0 writes them (rows >= num_tokens are not stored)
+            rows = tl.where(tl.program_id(2) == 0, rows, num_tokens)
         _zero_rows(out_ptr, rows, num_tokens, kv_head * GROUP, stride_ot, stride_oh,
                    GROUP, GROUP_PAD, BLOCK_M, HEAD_DIM)
         return
@@ -330,23 +309,40 @@ def general_kernel(
     v_head_ptr = v_cache_ptr + kv_head * stride_kh
     table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
     # Keys before the tile's first query are visible to every row (within the window); the rest
-    # needs the causal mask.
+    # needs the causal mask. This program visits [kv_start, shared_end) unmasked and
+    # [causal_start, kv_end) masked.
     kv_shared = tl.maximum(seq_len - q_len + first, 0)
     kv_end = tl.minimum(seq_len, seq_len - q_len + first + BLOCK_Q)
     kv_start = kv_shared * 0
     if HAS_WINDOW:
         kv_start = _window_start(kv_shared, window, PAGE)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_ptr, kv_start, kv_shared, q_pos,
+    shared_end = kv_shared
+    causal_start = kv_shared
+    if NUM_SPLITS > 1:  # this split's part of [kv_start, kv_end), whole BLOCK_N steps but the last
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_end - kv_start, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_start = kv_start + tl.program_id(2) * chunk
+        kv_end = tl.minimum(kv_start + chunk, kv_end)
+        shared_end = tl.minimum(kv_end, kv_shared)
+        causal_start = tl.maximum(kv_start, kv_shared)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_ptr, kv_start, shared_end, q_pos,
                             qk_scale, window, cap_l2, stride_kb, stride_ks, PAGE, BLOCK_N, HEAD_DIM, False,
                             DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, KV_FP8)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_ptr, kv_shared, kv_end, q_pos,
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_head_ptr, v_head_ptr, table_ptr, causal_start, kv_end, q_pos,
                             qk_scale, window, cap_l2, stride_kb, stride_ks, PAGE, BLOCK_N, HEAD_DIM, True,
                             DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, KV_FP8)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head, mask=head_ok, other=0.0).to(tl.float32) * LOG2E
-        acc, l_i = _add_sink(acc, m_i, l_i, sink)
-    if KV_FP8:
-        acc = acc * v_scale
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_ptrs = out_ptr + (rows * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=head_ok, other=0.0).to(tl.float32) * LOG2E
+            acc, l_i = _add_sink(acc, m_i, l_i, sink)
+        if KV_FP8:
+            acc = acc * v_scale
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out_ptr + (rows * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        if KV_FP8:
+            acc = acc * v_scale
+        part = (rows * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + tl.program_id(2)  # [M]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)

@@ -4,6 +4,7 @@ transformers and as eager mode. Skipped without a GPU (run on the GPU host)."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import random
 
@@ -77,6 +78,40 @@ def test_greedy_rows_beside_sampled_rows_in_graphs_match_hf(model_path):
             assert len(o.outputs[0].token_ids) == 16
     del llm
     torch.cuda.empty_cache()
+
+
+def test_prefix_cache_hits_on_split_kv_attention_match_hf_fp32(model_path, monkeypatch):
+    """Short prompt tails after a cached 96-token prefix: with splits allowed from 16 keys (the tiny
+    models' contexts are short), the general attention runs split-KV on the step after the hit, in
+    eager mode and between piecewise graphs, and gives transformers' tokens."""
+    paged_attention_module = importlib.import_module("roseray_kernels.paged_attention")
+    monkeypatch.setattr(paged_attention_module, "MIN_KEYS_PER_GENERAL_SPLIT", 16)
+    chosen, choose = [], paged_attention_module.choose_general_splits
+
+    def recorded_choice(*args) -> int:
+        chosen.append(choose(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(paged_attention_module, "choose_general_splits", recorded_choice)
+    rng = random.Random(4)
+    shared = [rng.randrange(3, 200) for _ in range(96)]
+    prompts = [shared + [rng.randrange(3, 200) for _ in range(rng.randint(1, 12))] for _ in range(4)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).cuda().eval()
+    hf.generation_config.eos_token_id = None
+    expected = [hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    for eager in (True, False):
+        chosen.clear()
+        llm = LLM(str(model_path), device="cuda", dtype="float32", attention_backend="triton", enforce_eager=eager,
+                  block_size=16, enable_prefix_caching=True, gpu_memory_utilization=0.3)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], GREEDY, use_tqdm=False)]
+        got += [o.outputs[0].token_ids for o in llm.generate(prompts[1:], GREEDY, use_tqdm=False)]
+        assert llm.engine.get_stats().prefix_cache_hits >= 3 * 96
+        llm.engine.check_integrity()
+        assert max(chosen) > 1, chosen
+        assert got == expected, f"eager={eager}"
+        del llm
+        torch.cuda.empty_cache()
 
 
 def test_bf16_graphs_equal_eager(model_path):
