@@ -7,10 +7,16 @@ vocabulary-parallel logits. torch.distributed carries them: NCCL on GPUs, gloo o
 
 A process that never joins a group is rank 0 of 1: the collectives are no-ops and the layers
 are whole, so single-GPU code pays nothing.
+
+A rank that dies leaves the others waiting in a collective it never joins. Over gloo the wait
+ends by itself: the dead process's sockets close and the collective raises. Over NCCL it never
+ends; rank 0's watchdog (roseray.engine.rank_watchdog) calls `abort_tensor_parallel` from its own
+thread, which aborts the communicator (the blocked kernels quit) and fails every later collective.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +38,8 @@ class TensorParallel:
 
 
 _CURRENT = TensorParallel()
+_TEARDOWN = threading.Lock()  # an abort (the watchdog's thread) and a shutdown (the engine's) one at a time
+_aborted = False  # the group was aborted: every collective from now on raises
 
 
 def tensor_parallel() -> TensorParallel:
@@ -41,7 +49,8 @@ def tensor_parallel() -> TensorParallel:
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str | None = None) -> TensorParallel:
     """Join the group of `size` processes (every rank calls this with the same init_method, e.g.
     tcp://127.0.0.1:PORT or file:///path); backend: nccl on CUDA, gloo on CPU by default."""
-    global _CURRENT
+    global _CURRENT, _aborted
+    _aborted = False
     if size > 1:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
@@ -54,18 +63,39 @@ def shutdown_tensor_parallel(abort: bool = False) -> None:
     captured the group's collectives are destroyed, for NCCL's teardown waits for both. `abort`
     (a rank is gone): NCCL aborts the communicator instead of a teardown that would wait for it."""
     global _CURRENT
-    if _CURRENT.size > 1 and dist.is_initialized():
-        if abort and dist.get_backend(_CURRENT.group) == "nccl":
+    with _TEARDOWN:  # after an abort in progress (NCCL's waits for the CUDA graphs, released before this)
+        if _CURRENT.size > 1 and dist.is_initialized():
+            if abort and dist.get_backend(_CURRENT.group) == "nccl":
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        _CURRENT = TensorParallel()
+
+
+def abort_tensor_parallel() -> None:
+    """From any thread, when a rank has died: every collective from now on raises, and NCCL's
+    communicator is aborted, so that a collective this rank waits in ends (its kernels quit; NCCL
+    allows the abort beside a blocked caller). Gloo's group is left alone: its transport already
+    fails a collective whose peer exited, and it is not safe to destroy beside a collective."""
+    global _aborted
+    _aborted = True
+    with _TEARDOWN:
+        if _CURRENT.size > 1 and dist.is_initialized() and dist.get_backend(_CURRENT.group) == "nccl":
             dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
-    _CURRENT = TensorParallel()
+
+
+def _check_not_aborted() -> None:
+    if _aborted:
+        raise RuntimeError("the tensor-parallel group was aborted: a rank died")
+_TEARDOWN = threading.Lock()  # an abort (the watchdog's thread) and a shutdown (the engine's) one at a time
+_aborted = False  # the group was aborted: every collective from now on raises
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over ranks, in place (a row-parallel projection's partial products)."""
     tp = _CURRENT
     if tp.size > 1:
+        _check_not_aborted()
         dist.all_reduce(x, group=tp.group)
     return x
 
@@ -75,6 +105,7 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     tp = _CURRENT
     if tp.size == 1:
         return x
+    _check_not_aborted()
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous(), group=tp.group)
     return torch.cat(parts, dim=-1)
@@ -95,5 +126,6 @@ def broadcast(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's x into every rank's x, in place."""
     tp = _CURRENT
     if tp.size > 1:
+        _check_not_aborted()
         dist.broadcast(x, src=0, group=tp.group)
     return x

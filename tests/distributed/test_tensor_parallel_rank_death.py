@@ -1,0 +1,118 @@
+"""A tensor-parallel worker rank that dies while rank 0 is inside a step, blocked in a collective
+the dead rank never joins (TP=2, the engine on a thread behind AsyncLLMEngine): the stream ends
+with an error naming the rank and its exit code within a bound (not a hang), the health check
+fails, and nothing of the engine is left running. The worker is stopped (SIGSTOP) first, so that
+rank 0 is certainly waiting in a collective when the SIGKILL comes; on CPU (gloo) the test checks
+that it waits inside roseray.distributed, on GPU (NCCL) that its step makes no progress.
+
+CPU: gloo. GPU (two CUDA devices, NCCL, CUDA graphs capturing the all-reduces): the same test,
+marked gpu; run it on a 2-GPU host."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from roseray import distributed
+from roseray.config import EngineConfig
+from roseray.engine.engine import LLMEngine
+from roseray.runtime.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState
+from roseray.runtime.in_process_client import InProcessEngineClient
+from roseray.sampling_params import SamplingParams
+from tests.waiting import async_wait_until, wait_until
+
+RANK_KILLED = "tensor-parallel rank 1 exited (exit code -9)"
+LONG = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)  # runs well past the kill
+END_BOUND_S = 30.0  # the stream's end after the kill (gloo and the watchdog take well under a second)
+STUCK_S = 1.0  # rank 0's step has made no progress this long: it waits on the stopped worker
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+def in_collective(thread: threading.Thread) -> bool:
+    """`thread` is inside one of roseray.distributed's collectives now."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_filename == distributed.__file__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+async def end_of(stream) -> str:
+    """How the stream ended: its error, or its last delta's finish reason."""
+    last = None
+    try:
+        async for deltas in stream:
+            last = deltas[-1]
+    except EngineUnavailableError as error:
+        return str(error)
+    return f"finished: {last.finish_reason}"
+
+
+def run_kill_mid_step(device: str, **overrides) -> None:
+    config = EngineConfig(model="random:tiny", device=device, num_kv_blocks=64, max_model_len=512, max_num_seqs=1,
+                          tensor_parallel_size=2, **overrides)
+    llm = LLMEngine(config)
+    client = InProcessEngineClient(llm)
+    engine = AsyncLLMEngine(client, max_waiting_requests=8, max_running=1)
+    [worker] = llm.tp_workers.processes
+    engine_thread = client._thread
+    try:
+        async def main():
+            engine.start()
+            stream = await engine.add_request("long", [1, 2, 3], LONG)
+            await stream.__anext__()  # the two ranks step together
+            os.kill(worker.pid, signal.SIGSTOP)
+            await async_wait_until(lambda: time.monotonic() - client.heartbeat() > STUCK_S, timeout=10,
+                                   message="rank 0 went on stepping without its stopped worker")
+            if device == "cpu":
+                assert in_collective(engine_thread), "rank 0 waits for its stopped worker outside a collective"
+            killed = time.monotonic()
+            os.kill(worker.pid, signal.SIGKILL)
+            end = await asyncio.wait_for(end_of(stream), timeout=END_BOUND_S)
+            seconds = time.monotonic() - killed
+            assert "engine loop died" in end and RANK_KILLED in end, end
+            error = await async_wait_until(lambda: health_error(engine), timeout=10)
+            assert RANK_KILLED in error, error
+            assert engine.state is LoopState.DEAD
+            print(f"stream ended {seconds:.2f} s after the kill: {end}")
+
+        asyncio.run(main())
+    finally:
+        engine.stop()
+        engine.wait_stopped(15)
+        llm.tp_workers.stop()
+    assert not engine_thread.is_alive()
+    assert not worker.is_alive() and worker.exitcode == -signal.SIGKILL
+    wait_until(lambda: not [t for t in threading.enumerate() if t.name.startswith("roseray-tp")], timeout=5,
+               message="a tensor-parallel thread of rank 0 outlived the engine")
+    assert not [c for c in psutil.Process().children() if c.pid == worker.pid]
+
+
+def health_error(engine: AsyncLLMEngine) -> str | None:
+    try:
+        engine.check_health()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_while_rank_0_waits_in_a_collective_ends_the_stream_and_fails_the_engine():
+    run_kill_mid_step("cpu")
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.timeout(300)  # without the watchdog's abort rank 0 spins in NCCL: the test fails, not the run
+def test_on_two_gpus_a_worker_killed_mid_step_ends_the_stream_and_fails_the_engine():
+    run_kill_mid_step("cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=64)
