@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,6 +38,13 @@ class TensorParallel:
         return total // self.size
 
 
+# How long a collective may wait for the other ranks: unbounded in effect. A worker waits in the step
+# broadcast for as long as its engine is idle, and the first collectives wait for the slowest rank's
+# model load; the defaults (gloo 30 min, NCCL 10 min, after which NCCL's watchdog ends the process)
+# would end an idle replica's workers. A dead rank is the rank watchdog's to catch, a live one that
+# hangs the health check's (stuck_after_s); the rendezvous at init keeps its default timeout.
+COLLECTIVE_TIMEOUT = timedelta(days=365)
+
 _CURRENT = TensorParallel()
 _TEARDOWN = threading.Lock()  # an abort (the watchdog's thread) and a shutdown (the engine's) one at a time
 _aborted = False  # the group was aborted: every collective from now on raises
@@ -54,6 +62,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str | 
     if size > 1:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+        dist.distributed_c10d._set_pg_timeout(COLLECTIVE_TIMEOUT)
     _CURRENT = TensorParallel(rank, size, dist.group.WORLD if size > 1 else None)
     return _CURRENT
 

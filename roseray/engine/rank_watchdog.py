@@ -25,6 +25,7 @@ from roseray.distributed import abort_tensor_parallel
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.5  # how often the thread looks up from the sentinels to see whether it should stop
+EXIT_WAIT_S = 5.0  # for the exit code of a process whose sentinel is ready
 
 
 def check_workers(processes: list) -> None:
@@ -64,14 +65,17 @@ class RankWatchdog:
     def _watch(self) -> None:
         sentinels = [process.sentinel for process in self.processes]
         while not self._stopped.is_set():
-            if not wait(sentinels, timeout=POLL_INTERVAL_S) or self._stopped.is_set():
+            ready = wait(sentinels, timeout=POLL_INTERVAL_S)
+            if not ready or self._stopped.is_set():
                 continue
+            for process in self.processes:
+                if process.sentinel in ready:  # ready as the process exits, a moment before it can be reaped
+                    process.join(EXIT_WAIT_S)
             try:
                 check_workers(self.processes)
+                self.failure = RuntimeError("a tensor-parallel rank exited; the engine replica must be restarted")
             except RuntimeError as error:
                 self.failure = error
-            if self.failure is None:  # a sentinel is ready only once its process has exited
-                self.failure = RuntimeError("a tensor-parallel rank exited; the engine replica must be restarted")
             logger.error("%s: aborting the tensor-parallel group, so that a step waiting on it fails", self.failure)
             try:
                 self._abort()

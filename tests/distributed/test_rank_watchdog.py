@@ -1,7 +1,8 @@
 """RankWatchdog on its own, over real processes standing in for worker ranks: a killed rank trips
 it (failure names the rank and its exit code, the abort runs once, promptly); ranks that stay
-alive, or a watchdog stopped before its ranks exit (the orderly STOP), abort nothing. And
-abort_tensor_parallel outside a group fails later collectives without touching torch.distributed."""
+alive, or a watchdog stopped before its ranks exit (the orderly STOP), abort nothing. A group
+that abort_tensor_parallel (the watchdog's call) aborted fails every later collective at once;
+a group's collectives wait as long as an engine idles."""
 
 from __future__ import annotations
 
@@ -86,12 +87,15 @@ def join_and_wait(init_method: str) -> None:
     time.sleep(60)
 
 
-def test_an_aborted_group_fails_every_later_collective_at_once():
+def test_an_aborted_group_fails_every_later_collective_at_once_and_a_group_waits_as_long_as_idle():
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     worker = mp.get_context("spawn").Process(target=join_and_wait, args=(init_method,), daemon=True)
     worker.start()
     try:
         distributed.init_tensor_parallel(0, 2, init_method, backend="gloo")
+        # an idle engine's workers wait in the step broadcast for as long as it is idle, not 30 minutes
+        gloo = distributed.tensor_parallel().group._get_backend(torch.device("cpu"))
+        assert gloo.options._timeout == distributed.COLLECTIVE_TIMEOUT
         assert distributed.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]
         distributed.abort_tensor_parallel()  # the watchdog's call (gloo's group itself is left alone)
         for collective in (lambda: distributed.all_reduce(torch.ones(2)), lambda: distributed.broadcast(torch.ones(2)),

@@ -1,9 +1,9 @@
 """A tensor-parallel worker rank that dies while rank 0 is inside a step, blocked in a collective
-the dead rank never joins (TP=2, the engine on a thread behind AsyncLLMEngine): the stream ends
-with an error naming the rank and its exit code within a bound (not a hang), the health check
-fails, and nothing of the engine is left running. The worker is stopped (SIGSTOP) first, so that
-rank 0 is certainly waiting in a collective when the SIGKILL comes; on CPU (gloo) the test checks
-that it waits inside roseray.distributed, on GPU (NCCL) that its step makes no progress.
+the dead rank never joins (TP=2 behind AsyncLLMEngine, the engine on a thread or in an engine
+process): the stream ends with an error naming the rank and its exit code within a bound (not a
+hang), the health check fails, and nothing of the engine is left running. The worker is stopped
+(SIGSTOP) first, so that rank 0 is certainly waiting on it when the SIGKILL comes: its step makes
+no progress, and on CPU (gloo, engine thread) it waits inside roseray.distributed.
 
 CPU: gloo. GPU (two CUDA devices, NCCL, CUDA graphs capturing the all-reduces): the same test,
 marked gpu; run it on a 2-GPU host."""
@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -27,6 +28,7 @@ from roseray.engine.engine import LLMEngine
 from roseray.runtime.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState
 from roseray.runtime.in_process_client import InProcessEngineClient
 from roseray.sampling_params import SamplingParams
+from tests.distributed.test_tensor_parallel_health import spawned_children
 from tests.waiting import async_wait_until, wait_until
 
 RANK_KILLED = "tensor-parallel rank 1 exited (exit code -9)"
@@ -58,44 +60,72 @@ async def end_of(stream) -> str:
     return f"finished: {last.finish_reason}"
 
 
-def run_kill_mid_step(device: str, **overrides) -> None:
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class TensorParallelEngine:
+    """An AsyncLLMEngine over a TP=2 engine on `transport` ("thread" or "process"), its worker's pid,
+    and what tells whether rank 0's step makes progress."""
+
+    def __init__(self, transport: str, config: EngineConfig) -> None:
+        self.llm = self.engine_thread = None
+        if transport == "thread":
+            self.llm = LLMEngine(config)
+            self.client = InProcessEngineClient(self.llm)
+            self.engine = AsyncLLMEngine(self.client, max_waiting_requests=8, max_running=1)
+            [self.worker] = [p.pid for p in self.llm.tp_workers.processes]
+            self.engine_thread = self.client._thread
+        else:
+            self.engine = AsyncLLMEngine.from_engine_config(replace(config, engine_process=True))
+            self.client = self.engine.client
+            [self.worker] = spawned_children(self.client.pid)
+
+    def close(self) -> None:
+        self.engine.stop()
+        self.engine.wait_stopped(15)
+        if self.llm is not None:
+            self.llm.tp_workers.stop()  # leaves the group (aborted: its worker is gone)
+
+
+def run_kill_mid_step(transport: str, device: str, **overrides) -> None:
     config = EngineConfig(model="random:tiny", device=device, num_kv_blocks=64, max_model_len=512, max_num_seqs=1,
                           tensor_parallel_size=2, **overrides)
-    llm = LLMEngine(config)
-    client = InProcessEngineClient(llm)
-    engine = AsyncLLMEngine(client, max_waiting_requests=8, max_running=1)
-    [worker] = llm.tp_workers.processes
-    engine_thread = client._thread
+    tp = TensorParallelEngine(transport, config)
+    engine, client = tp.engine, tp.client
     try:
         async def main():
             engine.start()
             stream = await engine.add_request("long", [1, 2, 3], LONG)
             await stream.__anext__()  # the two ranks step together
-            os.kill(worker.pid, signal.SIGSTOP)
+            os.kill(tp.worker, signal.SIGSTOP)
             await async_wait_until(lambda: time.monotonic() - client.heartbeat() > STUCK_S, timeout=10,
                                    message="rank 0 went on stepping without its stopped worker")
-            if device == "cpu":
-                assert in_collective(engine_thread), "rank 0 waits for its stopped worker outside a collective"
+            if tp.engine_thread is not None and device == "cpu":
+                assert in_collective(tp.engine_thread), "rank 0 waits for its stopped worker outside a collective"
             killed = time.monotonic()
-            os.kill(worker.pid, signal.SIGKILL)
+            os.kill(tp.worker, signal.SIGKILL)
             end = await asyncio.wait_for(end_of(stream), timeout=END_BOUND_S)
             seconds = time.monotonic() - killed
             assert "engine loop died" in end and RANK_KILLED in end, end
             error = await async_wait_until(lambda: health_error(engine), timeout=10)
             assert RANK_KILLED in error, error
             assert engine.state is LoopState.DEAD
-            print(f"stream ended {seconds:.2f} s after the kill: {end}")
+            print(f"{transport}: stream ended {seconds:.2f} s after the kill: {end}")
 
         asyncio.run(main())
     finally:
-        engine.stop()
-        engine.wait_stopped(15)
-        llm.tp_workers.stop()
-    assert not engine_thread.is_alive()
-    assert not worker.is_alive() and worker.exitcode == -signal.SIGKILL
-    wait_until(lambda: not [t for t in threading.enumerate() if t.name.startswith("roseray-tp")], timeout=5,
-               message="a tensor-parallel thread of rank 0 outlived the engine")
-    assert not [c for c in psutil.Process().children() if c.pid == worker.pid]
+        tp.close()
+    wait_until(lambda: gone(tp.worker), timeout=10, message="the killed worker is still there")
+    if tp.engine_thread is not None:
+        assert not tp.engine_thread.is_alive()
+        wait_until(lambda: not [t for t in threading.enumerate() if t.name.startswith("roseray-tp")], timeout=5,
+                   message="a tensor-parallel thread of rank 0 outlived the engine")
+    else:
+        wait_until(lambda: gone(client.pid), timeout=15, message="the engine process outlived its dead rank")
 
 
 def health_error(engine: AsyncLLMEngine) -> str | None:
@@ -107,12 +137,14 @@ def health_error(engine: AsyncLLMEngine) -> str | None:
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_killed_while_rank_0_waits_in_a_collective_ends_the_stream_and_fails_the_engine():
-    run_kill_mid_step("cpu")
+@pytest.mark.parametrize("transport", ["thread", "process"])
+def test_a_worker_killed_while_rank_0_waits_in_a_collective_ends_the_stream_and_fails_the_engine(transport):
+    run_kill_mid_step(transport, "cpu")
 
 
 @pytest.mark.gpu
 @two_gpus
 @pytest.mark.timeout(300)  # without the watchdog's abort rank 0 spins in NCCL: the test fails, not the run
-def test_on_two_gpus_a_worker_killed_mid_step_ends_the_stream_and_fails_the_engine():
-    run_kill_mid_step("cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=64)
+@pytest.mark.parametrize("transport", ["thread", "process"])
+def test_on_two_gpus_a_worker_killed_mid_step_ends_the_stream_and_fails_the_engine(transport):
+    run_kill_mid_step(transport, "cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=64)
