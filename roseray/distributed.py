@@ -81,23 +81,24 @@ def shutdown_tensor_parallel(abort: bool = False) -> None:
         _CURRENT = TensorParallel()
 
 
-def abort_tensor_parallel() -> None:
-    """From any thread, when a rank has died: every collective from now on raises, and NCCL's
-    communicator is aborted, so that a collective this rank waits in ends (its kernels quit; NCCL
-    allows the abort beside a blocked caller). Gloo's group is left alone: its transport already
-    fails a collective whose peer exited, and it is not safe to destroy beside a collective."""
+def abort_tensor_parallel(tp: TensorParallel) -> None:
+    """From any thread, when a rank of `tp` (what init_tensor_parallel returned) has died: every
+    collective from now on raises, and NCCL's communicator is aborted, so that a collective this
+    rank waits in ends (its kernels quit; NCCL allows the abort beside a blocked caller). Gloo's
+    group is left alone: its transport already fails a collective whose peer exited, and it is not
+    safe to destroy beside a collective. Nothing if this process has left `tp` meanwhile."""
     global _aborted
-    _aborted = True
     with _TEARDOWN:
-        if _CURRENT.size > 1 and dist.is_initialized() and dist.get_backend(_CURRENT.group) == "nccl":
+        if _CURRENT is not tp or tp.size == 1 or not dist.is_initialized():
+            return
+        _aborted = True
+        if dist.get_backend(tp.group) == "nccl":
             dist.distributed_c10d._abort_process_group()
 
 
 def _check_not_aborted() -> None:
     if _aborted:
         raise RuntimeError("the tensor-parallel group was aborted: a rank died")
-_TEARDOWN = threading.Lock()  # an abort (the watchdog's thread) and a shutdown (the engine's) one at a time
-_aborted = False  # the group was aborted: every collective from now on raises
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,6 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
-from roseray.distributed import abort_tensor_parallel
-
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.5  # how often the thread looks up from the sentinels to see whether it should stop
@@ -39,9 +37,9 @@ def check_workers(processes: list) -> None:
 
 class RankWatchdog:
     """Watches `processes` (multiprocessing Processes, ranks 1..N-1) from a daemon thread; on the
-    first exit sets `failure` and calls `abort` (the group's abort, by default) once."""
+    first exit sets `failure` and calls `abort` (the group's abort) once."""
 
-    def __init__(self, processes: list, abort: Callable[[], None] = abort_tensor_parallel) -> None:
+    def __init__(self, processes: list, abort: Callable[[], None]) -> None:
         self.processes = processes
         self.failure: RuntimeError | None = None
         self._abort = abort

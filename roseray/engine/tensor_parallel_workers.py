@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -31,7 +32,7 @@ import weakref
 import torch
 
 from roseray.config import EngineConfig
-from roseray.distributed import broadcast, init_tensor_parallel, shutdown_tensor_parallel
+from roseray.distributed import abort_tensor_parallel, broadcast, init_tensor_parallel, shutdown_tensor_parallel
 from roseray.engine.captured_graphs import CapturedGraphs
 from roseray.engine.model_runner import ModelRunner
 from roseray.engine.rank_watchdog import RankWatchdog, check_workers
@@ -101,8 +102,8 @@ class TensorParallelWorkers:
                           for rank in range(1, self.size)]
         for process in self.processes:
             process.start()
-        init_tensor_parallel(0, self.size, init_method)
-        self.watchdog = RankWatchdog(self.processes)
+        group = init_tensor_parallel(0, self.size, init_method)
+        self.watchdog = RankWatchdog(self.processes, abort=functools.partial(abort_tensor_parallel, group))
         self.channel: StepChannel | None = None
         self._finalizer: weakref.finalize | None = None
         logger.info("tensor parallel: %d ranks (rank 0 here, workers pids %s)", self.size,

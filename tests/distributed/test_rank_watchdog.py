@@ -81,9 +81,10 @@ def test_live_ranks_and_a_stop_before_the_orderly_exit_abort_nothing(ranks):
 
 
 def join_and_wait(init_method: str) -> None:
-    """Rank 1 of 2: one all-reduce with rank 0, then it waits to be killed."""
+    """Rank 1 of 2: two all-reduces with rank 0, then it waits to be killed."""
     distributed.init_tensor_parallel(1, 2, init_method, backend="gloo")
-    distributed.all_reduce(torch.ones(2))
+    for _ in range(2):
+        distributed.all_reduce(torch.ones(2))
     time.sleep(60)
 
 
@@ -92,12 +93,14 @@ def test_an_aborted_group_fails_every_later_collective_at_once_and_a_group_waits
     worker = mp.get_context("spawn").Process(target=join_and_wait, args=(init_method,), daemon=True)
     worker.start()
     try:
-        distributed.init_tensor_parallel(0, 2, init_method, backend="gloo")
+        group = distributed.init_tensor_parallel(0, 2, init_method, backend="gloo")
         # an idle engine's workers wait in the step broadcast for as long as it is idle, not 30 minutes
         gloo = distributed.tensor_parallel().group._get_backend(torch.device("cpu"))
         assert gloo.options._timeout == distributed.COLLECTIVE_TIMEOUT
         assert distributed.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]
-        distributed.abort_tensor_parallel()  # the watchdog's call (gloo's group itself is left alone)
+        distributed.abort_tensor_parallel(distributed.TensorParallel(0, 2))  # another group's: not this one's
+        assert distributed.all_reduce(torch.ones(2)).tolist() == [2.0, 2.0]
+        distributed.abort_tensor_parallel(group)  # the watchdog's call (gloo's group itself is left alone)
         for collective in (lambda: distributed.all_reduce(torch.ones(2)), lambda: distributed.broadcast(torch.ones(2)),
                            lambda: distributed.all_gather_last(torch.ones(2))):
             with pytest.raises(RuntimeError, match="group was aborted"):
