@@ -54,7 +54,7 @@ class RankWatchdog:
 
     def stop(self) -> None:
         """No more watching (rank 0 is about to stop its workers); the thread ends within POLL_INTERVAL_S,
-        or once an abort it began returns (see `join`)."""
+        or once an abort it began returns."""
         self._stopped.set()
 
     def join(self, timeout_s: float | None = None) -> None:

@@ -135,7 +135,7 @@ def _stop(channel: StepChannel, buffer: torch.Tensor, decode_tokens: torch.Tenso
     joins. With a rank gone the group is aborted instead (an orderly teardown would wait for it; so
     does the watchdog's abort, if it began one, until the graphs are gone) and the ranks left, which
     wait in a collective the dead rank never joins, are terminated at once."""
-    watchdog.stop()  # the workers' exit after STOP is no death
+    watchdog.stop()  # the workers' exit after STOP is no death (its thread ends within its poll interval)
     stopped = False
     try:
         if watchdog.failure is None and all(p.is_alive() for p in processes):
@@ -145,8 +145,7 @@ def _stop(channel: StepChannel, buffer: torch.Tensor, decode_tokens: torch.Tenso
         logger.warning("tensor parallel: STOP did not reach every worker (%s); terminating them", error)
     finally:
         captured.release(wait=stopped)
-        shutdown_tensor_parallel(abort=not stopped)
-        watchdog.join(JOIN_TIMEOUT_S)
+        shutdown_tensor_parallel(abort=not stopped)  # after the watchdog's abort, if it began one
         for process in processes:
             if stopped:
                 process.join(JOIN_TIMEOUT_S)
