@@ -31,6 +31,10 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # the torch.distributed process group (None: the default group)
 
+    @property
+    def backend(self) -> str | None:
+        return dist.get_backend(self.group) if self.size > 1 else None
+
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` (heads, rows, columns), which N must divide."""
         if total % self.size:
@@ -92,7 +96,7 @@ def abort_tensor_parallel(tp: TensorParallel) -> None:
         if _CURRENT is not tp or tp.size == 1 or not dist.is_initialized():
             return
         _aborted = True
-        if dist.get_backend(tp.group) == "nccl":
+        if tp.backend == "nccl":
             dist.distributed_c10d._abort_process_group()
 
 

@@ -190,9 +190,9 @@ class LLMEngine:
         started = time.perf_counter()
         try:
             deltas = self._step()
-        finally:  # a rank that died during the step (rank_watchdog.py) voids it: the engine fails, naming the rank
+        finally:  # a rank died and its group's abort left garbage (NCCL; rank_watchdog.py): fail, naming the rank
             if self.tp_workers is not None:
-                self.tp_workers.watchdog.raise_if_failed()
+                self.tp_workers.watchdog.raise_if_void()
         self.engine_steps_total += 1
         self.step_seconds_total += time.perf_counter() - started
         return deltas

@@ -6,9 +6,10 @@ logits' all-gather, the step's broadcast) leaves rank 0 inside that collective: 
 ever, for its kernels spin until the communicator is aborted. So a daemon thread waits on the
 workers' process sentinels; when one exits it records why (`failure`, naming the rank and its
 exit code) and aborts the group (roseray.distributed.abort_tensor_parallel), which ends the
-collective rank 0 waits in and every later one. The step in progress then ends, its outputs
-void: LLMEngine.step raises `failure`, and the engine's loop ends on it as on any dead rank
-(its streams end with the error, the health check fails).
+collective rank 0 waits in and every later one. The step in progress then ends: over gloo it
+raised (its requests end with an error), over NCCL its aborted collectives returned garbage, so
+LLMEngine.step raises `failure` instead of returning it. Either way the engine's loop ends on the
+failure as on any dead rank (its streams end with an error, the health check fails).
 
 The thread stops before rank 0 sends STOP (the workers' orderly exit is no death).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
@@ -26,21 +28,27 @@ POLL_INTERVAL_S = 0.5  # how often the thread looks up from the sentinels to see
 EXIT_WAIT_S = 5.0  # for the exit code of a process whose sentinel is ready
 
 
+def rank_exited(rank: int, exit_code: int | None) -> str:
+    return f"tensor-parallel rank {rank} exited (exit code {exit_code}); the engine replica must be restarted"
+
+
 def check_workers(processes: list) -> None:
     """RuntimeError naming the first worker rank (of `processes`, ranks 1..N-1) that exited. Cheap:
     a waitpid per worker."""
     for rank, process in enumerate(processes, start=1):
         if not process.is_alive():
-            raise RuntimeError(f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
-                               "the engine replica must be restarted")
+            raise RuntimeError(rank_exited(rank, process.exitcode))
 
 
 class RankWatchdog:
     """Watches `processes` (multiprocessing Processes, ranks 1..N-1) from a daemon thread; on the
-    first exit sets `failure` and calls `abort` (the group's abort) once."""
+    first exit sets `failure`, then calls `abort` (the group's abort) once. `voids_steps`: that abort
+    ends the collectives in flight without an error (NCCL's kernels just quit), so a step in progress
+    computed garbage; over gloo a collective cut short by a dead rank raises in the step itself."""
 
-    def __init__(self, processes: list, abort: Callable[[], None]) -> None:
+    def __init__(self, processes: list, abort: Callable[[], None], voids_steps: bool) -> None:
         self.processes = processes
+        self.voids_steps = voids_steps
         self.failure: RuntimeError | None = None
         self._abort = abort
         self._stopped = threading.Event()
@@ -48,8 +56,13 @@ class RankWatchdog:
         self._thread.start()
 
     def raise_if_failed(self) -> None:
-        """`failure` if a rank died: whatever rank 0 computed since is void."""
+        """`failure` if a rank died."""
         if self.failure is not None:
+            raise self.failure
+
+    def raise_if_void(self) -> None:
+        """`failure` if a rank died and the abort voids what rank 0's steps computed (see voids_steps)."""
+        if self.voids_steps and self.failure is not None:
             raise self.failure
 
     def stop(self) -> None:
@@ -66,17 +79,21 @@ class RankWatchdog:
             ready = wait(sentinels, timeout=POLL_INTERVAL_S)
             if not ready or self._stopped.is_set():
                 continue
-            for process in self.processes:
-                if process.sentinel in ready:  # ready as the process exits, a moment before it can be reaped
-                    process.join(EXIT_WAIT_S)
-            try:
-                check_workers(self.processes)
-                self.failure = RuntimeError("a tensor-parallel rank exited; the engine replica must be restarted")
-            except RuntimeError as error:
-                self.failure = error
+            rank, process = next((rank, p) for rank, p in enumerate(self.processes, start=1) if p.sentinel in ready)
+            self.failure = RuntimeError(rank_exited(rank, _exit_code(process)))
             logger.error("%s: aborting the tensor-parallel group, so that a step waiting on it fails", self.failure)
             try:
                 self._abort()
             except Exception:  # noqa: BLE001 - the failure is recorded; the engine fails on it regardless
                 logger.exception("aborting the tensor-parallel group failed")
             return
+
+
+def _exit_code(process) -> int | None:
+    """The exit code of a process whose sentinel is ready: that happens as it exits, a moment before it
+    can be reaped, and another thread (a check_workers) may be reaping it meanwhile."""
+    process.join(EXIT_WAIT_S)
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return process.exitcode

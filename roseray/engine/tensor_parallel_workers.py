@@ -103,7 +103,8 @@ class TensorParallelWorkers:
         for process in self.processes:
             process.start()
         group = init_tensor_parallel(0, self.size, init_method)
-        self.watchdog = RankWatchdog(self.processes, abort=functools.partial(abort_tensor_parallel, group))
+        self.watchdog = RankWatchdog(self.processes, functools.partial(abort_tensor_parallel, group),
+                                     voids_steps=group.backend == "nccl")
         self.channel: StepChannel | None = None
         self._finalizer: weakref.finalize | None = None
         logger.info("tensor parallel: %d ranks (rank 0 here, workers pids %s)", self.size,

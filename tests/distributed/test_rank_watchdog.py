@@ -49,7 +49,7 @@ class Aborts:
 
 def test_a_killed_rank_trips_the_watchdog_once_naming_the_rank_and_its_exit_code(ranks):
     aborts = Aborts()
-    watchdog = RankWatchdog(ranks, abort=aborts)
+    watchdog = RankWatchdog(ranks, aborts, voids_steps=False)
     watchdog.raise_if_failed()  # all alive: nothing to raise
     killed = time.monotonic()
     ranks[1].kill()  # rank 2
@@ -58,6 +58,7 @@ def test_a_killed_rank_trips_the_watchdog_once_naming_the_rank_and_its_exit_code
     assert aborts.thread_names == ["roseray-tp-watchdog"]  # from its own thread: rank 0's may be blocked
     with pytest.raises(RuntimeError, match=r"tensor-parallel rank 2 exited \(exit code -9\)"):
         watchdog.raise_if_failed()
+    watchdog.raise_if_void()  # gloo's abort leaves no garbage: a step cut short raised by itself
     watchdog.join(5)
     ranks[0].kill()  # a second death after the first changes nothing
     ranks[0].join(5)
@@ -66,7 +67,7 @@ def test_a_killed_rank_trips_the_watchdog_once_naming_the_rank_and_its_exit_code
 
 def test_live_ranks_and_a_stop_before_the_orderly_exit_abort_nothing(ranks):
     aborts = Aborts()
-    watchdog = RankWatchdog(ranks, abort=aborts)
+    watchdog = RankWatchdog(ranks, aborts, voids_steps=True)
     time.sleep(3 * POLL_INTERVAL_S)  # nothing to wait for: it must do nothing over several of its poll periods
     assert watchdog._thread.is_alive() and not aborts.calls and watchdog.failure is None
     watchdog.stop()  # as rank 0 does before it sends STOP
@@ -77,7 +78,21 @@ def test_live_ranks_and_a_stop_before_the_orderly_exit_abort_nothing(ranks):
     assert not watchdog._thread.is_alive()
     assert not aborts.calls and watchdog.failure is None
     watchdog.raise_if_failed()
+    watchdog.raise_if_void()
     assert all(p.exitcode == -signal.SIGTERM for p in ranks)
+
+
+def test_over_nccl_a_dead_rank_voids_the_step_in_progress(ranks):
+    """NCCL's abort ends the collectives in flight without an error: the step must not return what it
+    computed. The failure is set before the abort, which is what lets a blocked step return."""
+    seen = []
+    watchdog = RankWatchdog(ranks, lambda: seen.append(watchdog.failure), voids_steps=True)
+    ranks[2].kill()  # rank 3, while another thread reaps it too (the engine's check_workers)
+    ranks[2].join(5)
+    wait_until(lambda: seen, timeout=5)
+    assert "rank 3 exited (exit code -9)" in str(seen[0])
+    with pytest.raises(RuntimeError, match="rank 3 exited"):
+        watchdog.raise_if_void()
 
 
 def join_and_wait(init_method: str) -> None:
