@@ -96,6 +96,9 @@ def run_kill_mid_step(transport: str, device: str, **overrides) -> None:
                           tensor_parallel_size=2, **overrides)
     tp = TensorParallelEngine(transport, config)
     engine, client = tp.engine, tp.client
+    if tp.llm is not None:  # the group's collectives wait as long as the engine idles (not NCCL's 10 min)
+        backend = distributed.tensor_parallel().group._get_backend(torch.device(device))
+        assert backend.options._timeout == distributed.COLLECTIVE_TIMEOUT
     try:
         async def main():
             engine.start()
