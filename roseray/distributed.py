@@ -7,11 +7,20 @@ vocabulary-parallel logits. torch.distributed carries them: NCCL on GPUs, gloo o
 
 A process that never joins a group is rank 0 of 1: the collectives are no-ops and the layers
 are whole, so single-GPU code pays nothing. On GPUs the all-reduce of a tensor up to a few MiB
-(every decode step's) goes through symmetric memory instead of NCCL (symmetric_all_reduce.py).
+(every decode step's) goes through symmetric memory instead of NCCL (symmetric_all_reduce.py),
+and each step's plan travels host to host over a gloo group of the same ranks (`broadcast_host`).
+
+A rank that dies leaves the others waiting in a collective it never joins. Over gloo the wait
+ends by itself: the dead process's sockets close and the collective raises. Over NCCL it never
+ends; rank 0's watchdog (roseray.engine.rank_watchdog) calls `abort_tensor_parallel` from its own
+thread, which aborts the communicator (the blocked kernels quit) and fails every later collective.
+A symmetric-memory all-reduce that a dead rank never joins is not ended by that abort: its kernel
+waits on the peer's signal until the process goes (the health check fails; Serve replaces it).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,6 +39,10 @@ class TensorParallel:
     group: Any = None  # the torch.distributed process group (None: the default group)
     host_group: Any = None  # the same ranks over gloo, for host tensors (each step's plan)
 
+    @property
+    def backend(self) -> str | None:
+        return dist.get_backend(self.group) if self.size > 1 else None
+
     def split(self, total: int, what: str) -> int:
         """This rank's share of `total` (heads, rows, columns), which N must divide."""
         if total % self.size:
@@ -37,8 +50,16 @@ class TensorParallel:
         return total // self.size
 
 
-HOST_GROUP_TIMEOUT = timedelta(days=365)
+# How long a collective may wait for the other ranks: unbounded in effect. A worker waits in the step
+# broadcast for as long as its engine is idle, and the first collectives wait for the slowest rank's
+# model load; the defaults (gloo 30 min, NCCL 10 min, after which NCCL's watchdog ends the process)
+# would end an idle replica's workers. A dead rank is the rank watchdog's to catch, a live one that
+# hangs the health check's (stuck_after_s); the rendezvous at init keeps its default timeout.
+COLLECTIVE_TIMEOUT = timedelta(days=365)
+
 _CURRENT = TensorParallel()
+_TEARDOWN = threading.Lock()  # an abort (the watchdog's thread) and a shutdown (the engine's) one at a time
+_aborted = False  # the group was aborted: every collective from now on raises
 _SYMMETRIC: SymmetricAllReduce | None = None
 
 
@@ -49,13 +70,15 @@ def tensor_parallel() -> TensorParallel:
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str | None = None) -> TensorParallel:
     """Join the group of `size` processes (every rank calls this with the same init_method, e.g.
     tcp://127.0.0.1:PORT or file:///path); backend: nccl on CUDA, gloo on CPU by default."""
-    global _CURRENT, _SYMMETRIC
+    global _CURRENT, _aborted, _SYMMETRIC
+    _aborted = False
     if size > 1:
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-        # the plan travels host to host, so that no rank waits on its device to read it; a rank waits
-        # in it while the engine idles, for as long as that lasts (a dead peer ends it at once)
-        host_group = dist.new_group(backend="gloo", timeout=HOST_GROUP_TIMEOUT) if backend != "gloo" else None
+        dist.distributed_c10d._set_pg_timeout(COLLECTIVE_TIMEOUT)
+        # the plan travels host to host, so that no rank waits on its device to read it (a worker
+        # waits there while the engine idles; a dead peer ends the wait at once)
+        host_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" else None
     _CURRENT = TensorParallel(rank, size, dist.group.WORLD if size > 1 else None,
                               (host_group or dist.group.WORLD) if size > 1 else None)
     if size > 1 and backend == "nccl":  # every rank, in the same order: its setup is a collective
@@ -70,13 +93,33 @@ def shutdown_tensor_parallel(abort: bool = False) -> None:
     (a rank is gone): NCCL aborts the communicator instead of a teardown that would wait for it."""
     global _CURRENT, _SYMMETRIC
     _SYMMETRIC = None  # its buffer is freed before the group goes
-    if _CURRENT.size > 1 and dist.is_initialized():
-        if abort and dist.get_backend(_CURRENT.group) == "nccl":
+    with _TEARDOWN:  # after an abort in progress (NCCL's waits for the CUDA graphs, released before this)
+        if _CURRENT.size > 1 and dist.is_initialized():
+            if abort and dist.get_backend(_CURRENT.group) == "nccl":
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        _CURRENT = TensorParallel()
+
+
+def abort_tensor_parallel(tp: TensorParallel) -> None:
+    """From any thread, when a rank of `tp` (what init_tensor_parallel returned) has died: every
+    collective from now on raises, and NCCL's communicator is aborted, so that a collective this
+    rank waits in ends (its kernels quit; NCCL allows the abort beside a blocked caller). Gloo's
+    group is left alone: its transport already fails a collective whose peer exited, and it is not
+    safe to destroy beside a collective. Nothing if this process has left `tp` meanwhile."""
+    global _aborted
+    with _TEARDOWN:
+        if _CURRENT is not tp or tp.size == 1 or not dist.is_initialized():
+            return
+        _aborted = True
+        if tp.backend == "nccl":
             dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
-    _CURRENT = TensorParallel()
-_SYMMETRIC: SymmetricAllReduce | None = None
+
+
+def _check_not_aborted() -> None:
+    if _aborted:
+        raise RuntimeError("the tensor-parallel group was aborted: a rank died")
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -84,6 +127,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     tensor from symmetric memory; use the result."""
     tp = _CURRENT
     if tp.size > 1:
+        _check_not_aborted()
         if _SYMMETRIC is not None and _SYMMETRIC.takes(x):
             return _SYMMETRIC(x)
         dist.all_reduce(x, group=tp.group)
@@ -95,6 +139,7 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     tp = _CURRENT
     if tp.size == 1:
         return x
+    _check_not_aborted()
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous(), group=tp.group)
     return torch.cat(parts, dim=-1)
@@ -115,6 +160,7 @@ def broadcast(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's x into every rank's x, in place (queued on the device for a CUDA tensor)."""
     tp = _CURRENT
     if tp.size > 1:
+        _check_not_aborted()
         dist.broadcast(x, src=0, group=tp.group)
     return x
 
@@ -123,5 +169,6 @@ def broadcast_host(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's CPU tensor x into every rank's x, in place, on the host (the device not involved)."""
     tp = _CURRENT
     if tp.size > 1:
+        _check_not_aborted()
         dist.broadcast(x, src=0, group=tp.host_group)
     return x

@@ -188,7 +188,11 @@ class LLMEngine:
         after its own launch. A batch with constrained requests samples through a grammar
         mask that needs batch N's tokens: its sampling is held to the next call (DESIGN.md)."""
         started = time.perf_counter()
-        deltas = self._step()
+        try:
+            deltas = self._step()
+        finally:  # a rank died and its group's abort left garbage (NCCL; rank_watchdog.py): fail, naming the rank
+            if self.tp_workers is not None:
+                self.tp_workers.watchdog.raise_if_void()
         self.engine_steps_total += 1
         self.step_seconds_total += time.perf_counter() - started
         return deltas
@@ -230,8 +234,7 @@ class LLMEngine:
         return deltas
 
     def _can_overlap(self) -> bool:
-        # Penalties need every sampled token on the host before the next sample.
-        return self.overlap and self._num_penalty_requests == 0
+        return self.overlap and self._num_penalty_requests == 0  # penalties need every sampled token on the host
 
     def _prepare(self, batch: SchedulerOutput, deltas: list[RequestDelta]):
         """The host's part of `batch`'s forward (runner.prepare_run); None if it failed."""

@@ -14,12 +14,16 @@ A worker builds what rank 0 builds, in the same order, because every collective 
 by every rank: the model shard, the runner (the KV-cache profile forward; the block count
 agreed as the smallest any rank allows), the warm-up forwards, the sampler's warm-up logits
 and the CUDA graphs. Then it loops on StepChannel.recv until rank 0 sends STOP (at engine exit).
+
+A worker that dies fails rank 0 (roseray.engine.rank_watchdog): between steps `check_workers`
+finds it, and in the middle of one the watchdog aborts the collective rank 0 waits in.
 """
 
 from __future__ import annotations
 
 import ctypes
 import faulthandler
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -30,9 +34,16 @@ import weakref
 import torch
 
 from roseray.config import EngineConfig
-from roseray.distributed import broadcast, broadcast_host, init_tensor_parallel, shutdown_tensor_parallel
+from roseray.distributed import (
+    abort_tensor_parallel,
+    broadcast,
+    broadcast_host,
+    init_tensor_parallel,
+    shutdown_tensor_parallel,
+)
 from roseray.engine.captured_graphs import CapturedGraphs
 from roseray.engine.model_runner import ModelRunner
+from roseray.engine.rank_watchdog import RankWatchdog, check_workers
 from roseray.engine.step_inputs import PLAN_LENGTHS, STOP, StepPlan
 from roseray.models.loader import load_model, load_model_config, resolve_max_model_len
 
@@ -96,7 +107,9 @@ class TensorParallelWorkers:
                           for rank in range(1, self.size)]
         for process in self.processes:
             process.start()
-        init_tensor_parallel(0, self.size, init_method)
+        group = init_tensor_parallel(0, self.size, init_method)
+        self.watchdog = RankWatchdog(self.processes, functools.partial(abort_tensor_parallel, group),
+                                     voids_steps=group.backend == "nccl")
         self.channel: StepChannel | None = None
         self._finalizer: weakref.finalize | None = None
         logger.info("tensor parallel: %d ranks (rank 0 here, workers pids %s)", self.size,
@@ -106,11 +119,12 @@ class TensorParallelWorkers:
         """Give rank 0's runner the channel its steps go out on; stop the workers with the runner."""
         self.channel = runner.step_channel = StepChannel(runner.device, runner.max_num_seqs, self.processes)
         self._finalizer = weakref.finalize(runner, _stop, self.channel, runner._device_buffer, runner.decode_tokens,
-                                           runner.captured, self.processes)
+                                           runner.captured, self.processes, self.watchdog)
 
     def check(self) -> float:
         """RuntimeError naming a worker rank that exited; else how long an idle engine loop may wait
         before it checks again (a dead rank must fail the health check with no request running)."""
+        self.watchdog.raise_if_failed()
         check_workers(self.processes)
         return WORKER_CHECK_INTERVAL_S
 
@@ -120,34 +134,30 @@ class TensorParallelWorkers:
             self._finalizer()
 
 
-def check_workers(processes: list) -> None:
-    """RuntimeError naming the first worker rank (of `processes`, ranks 1..N-1) that exited. Cheap:
-    a waitpid per worker."""
-    for rank, process in enumerate(processes, start=1):
-        if not process.is_alive():
-            raise RuntimeError(f"tensor-parallel rank {rank} exited (exit code {process.exitcode}); "
-                               "the engine replica must be restarted")
-
-
 def _stop(channel: StepChannel, buffer: torch.Tensor, decode_tokens: torch.Tensor, captured: CapturedGraphs,
-          processes: list) -> None:
+          processes: list, watchdog: RankWatchdog) -> None:
     """STOP to the workers; then every rank destroys its CUDA graphs and leaves the group at once
     (NCCL's teardown waits for both: rank 0 must not wait for its workers to exit first), then the
-    joins. With a rank gone the group is aborted instead (an orderly teardown would wait for it)."""
+    joins. With a rank gone the group is aborted instead (an orderly teardown would wait for it; so
+    does the watchdog's abort, if it began one, until the graphs are gone) and the ranks left, which
+    wait in a collective the dead rank never joins, are terminated at once."""
+    watchdog.stop()  # the workers' exit after STOP is no death (its thread ends within its poll interval)
     stopped = False
     try:
-        if all(p.is_alive() for p in processes):
+        if watchdog.failure is None and all(p.is_alive() for p in processes):
             channel.send((STOP, 0), buffer, None, decode_tokens)
             stopped = True
-    except RuntimeError:  # a worker went meanwhile: the others are terminated below
-        pass
+    except Exception as error:  # noqa: BLE001 - a worker went meanwhile (the group may be aborted under the send)
+        logger.warning("tensor parallel: STOP did not reach every worker (%s); terminating them", error)
     finally:
         captured.release(wait=stopped)
-        shutdown_tensor_parallel(abort=not stopped)
+        shutdown_tensor_parallel(abort=not stopped)  # after the watchdog's abort, if it began one
         for process in processes:
-            process.join(JOIN_TIMEOUT_S)
+            if stopped:
+                process.join(JOIN_TIMEOUT_S)
             if process.is_alive():
                 process.terminate()
+                process.join(JOIN_TIMEOUT_S)
 
 
 def _free_port() -> int:
