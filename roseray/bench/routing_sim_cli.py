@@ -6,7 +6,10 @@ max/mean requests per replica), all rows as JSON (--out) and one plot per worklo
 replica count (TTFT p90 against offered QPS, a line per policy) under --plot-dir. For the
 cache_aware policy (the Router's own, on the replicas' KV events), a second table: the age of
 its view of the replicas' caches at its picks (p50/p99/max) and how often that view was wrong.
-Simulated, with a provisional step-time model (routing_step_time.py): relative figures.
+The step-time model is the hand-derived provisional one unless --step-model loads a GPU fit
+(roseray/bench/fits/h100-qwen3-0.6b.json ships: Qwen3-0.6B geometry on an H100); with the fit,
+--async-scheduling and --serve-stats-timing the simulator matched the Ray app on two H100s
+within 25% on TTFT p50/p90 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"step_time_model": asdict(model), "rows": rows}, indent=2) + "\n")
     if args.plot_dir:
-        for path in plot_ttft_p90(rows, args.plot_dir):
+        label = f"step-time fit: {model.fit_points} points" if model.fit_points else "provisional step-time model"
+        for path in plot_ttft_p90(rows, args.plot_dir, label):
             print(f"plot: {path}")
     return 0

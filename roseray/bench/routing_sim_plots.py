@@ -11,8 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 
-def plot_ttft_p90(rows: list[dict], plot_dir: str) -> list[Path]:
-    """TTFT p90 against offered QPS, a line per policy; one PNG per (workload, replicas)."""
+def plot_ttft_p90(rows: list[dict], plot_dir: str, model_label: str = "provisional step-time model") -> list[Path]:
+    """TTFT p90 against offered QPS, a line per policy; one PNG per (workload, replicas).
+    `model_label` names the step-time model in the title."""
     paths = []
     for workload, replicas in sorted({(r["workload"], r["replicas"]) for r in rows}):
         fig, ax = plt.subplots(figsize=(7, 5))
@@ -23,7 +24,7 @@ def plot_ttft_p90(rows: list[dict], plot_dir: str) -> list[Path]:
         ax.set_yscale("log")
         ax.set_xlabel("offered QPS")
         ax.set_ylabel("TTFT p90 (s)")
-        ax.set_title(f"{workload}, {replicas} replicas (simulated, provisional step-time model)")
+        ax.set_title(f"{workload}, {replicas} replicas (simulated, {model_label})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         path = Path(plot_dir) / f"routing_sim_{workload}_{replicas}.png"
