@@ -12,6 +12,11 @@ LLMEngine.step raises `failure` instead of returning it. Either way the engine's
 failure as on any dead rank (its streams end with an error, the health check fails).
 
 The thread stops before rank 0 sends STOP (the workers' orderly exit is no death).
+
+Before any of that, rank 0 waits for its workers to reach the group's rendezvous
+(`wait_until_joining`): a worker that dies on its way there (an import, a device that fails)
+fails the engine's start at once, naming its rank, instead of leaving rank 0 in a rendezvous
+that waits for it for the store's whole timeout.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from multiprocessing.connection import wait
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.5  # how often the thread looks up from the sentinels to see whether it should stop
+STARTUP_TIMEOUT_S = 600.0  # for the workers to reach the rendezvous (spawned interpreters importing torch)
 EXIT_WAIT_S = 5.0  # for the exit code of a process whose sentinel is ready
 
 
@@ -38,6 +44,21 @@ def check_workers(processes: list) -> None:
     for rank, process in enumerate(processes, start=1):
         if not process.is_alive():
             raise RuntimeError(rank_exited(rank, process.exitcode))
+
+
+def wait_until_joining(processes: list, joining: list, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Return once every worker (`processes`, ranks 1..N-1) has set its `joining` event (it is about to
+    join the group); RuntimeError naming the first that exited before, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not all(event.is_set() for event in joining):
+        for rank, (process, event) in enumerate(zip(processes, joining), start=1):
+            if not event.is_set() and not process.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (exit code {_exit_code(process)}) before "
+                                   "joining the group; see its log above")
+        if time.monotonic() > deadline:
+            missing = [rank for rank, event in enumerate(joining, start=1) if not event.is_set()]
+            raise RuntimeError(f"tensor-parallel ranks {missing} did not start within {timeout_s:.0f} s")
+        wait([process.sentinel for process in processes], timeout=0.05)
 
 
 class RankWatchdog:

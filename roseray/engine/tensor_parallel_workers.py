@@ -43,7 +43,7 @@ from roseray.distributed import (
 )
 from roseray.engine.captured_graphs import CapturedGraphs
 from roseray.engine.model_runner import ModelRunner
-from roseray.engine.rank_watchdog import RankWatchdog, check_workers
+from roseray.engine.rank_watchdog import RankWatchdog, check_workers, wait_until_joining
 from roseray.engine.step_inputs import PLAN_LENGTHS, STOP, StepPlan
 from roseray.models.loader import load_model, load_model_config, resolve_max_model_len
 
@@ -102,11 +102,19 @@ class TensorParallelWorkers:
         self.size = config.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = mp.get_context("spawn")
-        self.processes = [context.Process(target=worker_main, args=(rank, self.size, init_method, config, os.getpid()),
-                                          name=f"roseray-tp-rank{rank}", daemon=True)
+        joining = [context.Event() for _ in range(1, self.size)]  # set by each worker as it joins the group
+        self.processes = [context.Process(target=worker_main, name=f"roseray-tp-rank{rank}", daemon=True,
+                                          args=(rank, self.size, init_method, config, os.getpid(), joining[rank - 1]))
                           for rank in range(1, self.size)]
         for process in self.processes:
             process.start()
+        try:
+            wait_until_joining(self.processes, joining)
+        except RuntimeError:
+            for process in self.processes:
+                process.terminate()
+                process.join(JOIN_TIMEOUT_S)
+            raise
         group = init_tensor_parallel(0, self.size, init_method)
         self.watchdog = RankWatchdog(self.processes, functools.partial(abort_tensor_parallel, group),
                                      voids_steps=group.backend == "nccl")
@@ -177,14 +185,16 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, parent: int) -> None:
-    """A worker rank: its model shard and runner, built as rank 0 builds its own, then steps."""
+def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, parent: int, joining) -> None:
+    """A worker rank: its model shard and runner, built as rank 0 builds its own, then steps.
+    `joining`: a multiprocessing Event it sets as it joins the group (rank 0 waits for it)."""
     _die_with(parent)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where this rank is now
     device = config.resolve_device()
     if device.type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
+    joining.set()
     init_tensor_parallel(rank, size, init_method)
     torch.manual_seed(config.seed)
     model_config = load_model_config(config.model, revision=config.revision, load_format=config.load_format)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from roseray import distributed
-from roseray.engine.rank_watchdog import POLL_INTERVAL_S, RankWatchdog
+from roseray.engine.rank_watchdog import POLL_INTERVAL_S, RankWatchdog, wait_until_joining
 from roseray.engine.tensor_parallel_workers import _free_port
 from tests.waiting import wait_until
 
@@ -128,3 +128,25 @@ def test_an_aborted_group_fails_every_later_collective_at_once_and_a_group_waits
     distributed.init_tensor_parallel(0, 1, "unused")
     assert not distributed._aborted  # a new group starts whole
     distributed.shutdown_tensor_parallel()
+
+
+def test_a_rank_that_dies_before_joining_fails_the_start_at_once(ranks):
+    """Rank 0 waits for its workers to reach the rendezvous; one that exits on the way fails the start
+    at once, naming it (a rendezvous would wait for it for the store's whole timeout)."""
+    joining = [mp.get_context("fork").Event() for _ in ranks]
+    joining[0].set()
+    ranks[1].kill()  # rank 2, before it joined
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 2 exited \(exit code -9\) before joining"):
+        wait_until_joining(ranks, joining, timeout_s=30)
+    assert time.monotonic() - started < 5
+
+
+def test_joining_returns_once_every_rank_joins_and_times_out_otherwise(ranks):
+    joining = [mp.get_context("fork").Event() for _ in ranks]
+    threading.Timer(0.3, lambda: [event.set() for event in joining]).start()
+    wait_until_joining(ranks, joining, timeout_s=30)
+    late = [mp.get_context("fork").Event() for _ in ranks]
+    late[0].set()
+    with pytest.raises(RuntimeError, match=r"ranks \[2, 3\] did not start within 1 s"):
+        wait_until_joining(ranks, late, timeout_s=1)
