@@ -8,7 +8,7 @@ vocabulary-parallel logits. torch.distributed carries them: NCCL on GPUs, gloo o
 A process that never joins a group is rank 0 of 1: the collectives are no-ops and the layers
 are whole, so single-GPU code pays nothing. On GPUs the all-reduce of a tensor up to a few MiB
 (every decode step's) goes through symmetric memory instead of NCCL (symmetric_all_reduce.py),
-and each step's plan travels host to host over a gloo group of the same ranks (`broadcast_host`).
+and each step's plan travels host to host over a gloo group of the same ranks (`broadcast(host=True)`).
 
 A rank that dies leaves the others waiting in a collective it never joins. Over gloo the wait
 ends by itself: the dead process's sockets close and the collective raises. Over NCCL it never
@@ -78,10 +78,12 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str | 
         dist.distributed_c10d._set_pg_timeout(COLLECTIVE_TIMEOUT)
         # the plan travels host to host, so that no rank waits on its device to read it (a worker
         # waits there while the engine idles; a dead peer ends the wait at once)
-        host_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend != "gloo" else None
-    _CURRENT = TensorParallel(rank, size, dist.group.WORLD if size > 1 else None,
-                              (host_group or dist.group.WORLD) if size > 1 else None)
-    if size > 1 and backend == "nccl":  # every rank, in the same order: its setup is a collective
+        host_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo",
+                                                                              timeout=COLLECTIVE_TIMEOUT)
+        _CURRENT = TensorParallel(rank, size, dist.group.WORLD, host_group)
+    else:
+        _CURRENT = TensorParallel(rank, size)
+    if _CURRENT.backend == "nccl":  # every rank, in the same order: its setup is a collective
         _SYMMETRIC = symmetric_all_reduce(_CURRENT.group, torch.device("cuda", torch.cuda.current_device()),
                                           envs.tp_all_reduce())
     return _CURRENT
@@ -95,7 +97,7 @@ def shutdown_tensor_parallel(abort: bool = False) -> None:
     _SYMMETRIC = None  # its buffer is freed before the group goes
     with _TEARDOWN:  # after an abort in progress (NCCL's waits for the CUDA graphs, released before this)
         if _CURRENT.size > 1 and dist.is_initialized():
-            if abort and dist.get_backend(_CURRENT.group) == "nccl":
+            if abort and _CURRENT.backend == "nccl":
                 dist.distributed_c10d._abort_process_group()
             else:
                 dist.destroy_process_group()
@@ -150,25 +152,17 @@ def all_reduce_min(value: int) -> int:
     tp = _CURRENT
     if tp.size == 1:
         return value
-    device = "cuda" if dist.get_backend(tp.group) == "nccl" else "cpu"
+    device = "cuda" if tp.backend == "nccl" else "cpu"
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=tp.group)
     return int(tensor.item())
 
 
-def broadcast(x: torch.Tensor) -> torch.Tensor:
-    """Rank 0's x into every rank's x, in place (queued on the device for a CUDA tensor)."""
+def broadcast(x: torch.Tensor, host: bool = False) -> torch.Tensor:
+    """Rank 0's x into every rank's x, in place: queued on the device for a CUDA tensor, or with
+    `host`, a CPU tensor over the host group (the device not involved)."""
     tp = _CURRENT
     if tp.size > 1:
         _check_not_aborted()
-        dist.broadcast(x, src=0, group=tp.group)
-    return x
-
-
-def broadcast_host(x: torch.Tensor) -> torch.Tensor:
-    """Rank 0's CPU tensor x into every rank's x, in place, on the host (the device not involved)."""
-    tp = _CURRENT
-    if tp.size > 1:
-        _check_not_aborted()
-        dist.broadcast(x, src=0, group=tp.host_group)
+        dist.broadcast(x, src=0, group=tp.host_group if host else tp.group)
     return x

@@ -34,13 +34,7 @@ import weakref
 import torch
 
 from roseray.config import EngineConfig
-from roseray.distributed import (
-    abort_tensor_parallel,
-    broadcast,
-    broadcast_host,
-    init_tensor_parallel,
-    shutdown_tensor_parallel,
-)
+from roseray.distributed import abort_tensor_parallel, broadcast, init_tensor_parallel, shutdown_tensor_parallel
 from roseray.engine.captured_graphs import CapturedGraphs
 from roseray.engine.model_runner import ModelRunner
 from roseray.engine.rank_watchdog import RankWatchdog, check_workers, wait_until_joining
@@ -77,14 +71,14 @@ class StepChannel:
         host[:] = 0
         host[: len(plan)] = plan
         host[HEADER - 2:] = (mode, count)
-        broadcast_host(self.header)  # returns once sent: the next step may refill it
+        broadcast(self.header, host=True)  # returns once sent: the next step may refill it
         if plan[0] != STOP:
             broadcast(buffer[: plan[1]])
         if mode == SENT_TOKENS:
             broadcast(in_flight.to(torch.int64).contiguous())
 
     def recv(self, buffer: torch.Tensor, decode_tokens: torch.Tensor) -> tuple[StepPlan, torch.Tensor | None]:
-        broadcast_host(self.header)
+        broadcast(self.header, host=True)
         values = self.header.tolist()
         plan = tuple(values[: PLAN_LENGTHS[values[0]]])
         mode, count = values[HEADER - 2:]

@@ -67,6 +67,17 @@ def health_error(engine: AsyncLLMEngine) -> str | None:
     return None
 
 
+async def end_of(stream) -> str:
+    """How the stream ended: its error, or its last delta's finish reason."""
+    last = None
+    try:
+        async for deltas in stream:
+            last = deltas[-1]
+    except EngineUnavailableError as error:
+        return str(error)
+    return f"finished: {last.finish_reason}"
+
+
 @pytest.fixture(params=["thread", "process"])
 def tp_engine(request):
     tp = TensorParallelEngine(request.param)
@@ -101,16 +112,6 @@ def test_streams_running_and_queued_when_the_worker_dies_end_with_an_error_namin
         queued = await engine.add_request("queued", [4, 5, 6], LONG)
         await running.__anext__()  # it streams
         tp_engine.kill_worker()
-
-        async def end_of(stream) -> str:
-            """How the stream ended: its error, or its last delta's finish reason."""
-            last = None
-            try:
-                async for deltas in stream:
-                    last = deltas[-1]
-            except EngineUnavailableError as error:
-                return str(error)
-            return f"finished: {last.finish_reason}"
 
         ends = await asyncio.wait_for(asyncio.gather(end_of(running), end_of(queued)), timeout=30)
         # the step the rank died in ends its request with reason "error" (the API's engine error event),

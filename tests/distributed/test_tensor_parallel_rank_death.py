@@ -25,10 +25,10 @@ import torch
 from roseray import distributed
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
-from roseray.runtime.async_engine import AsyncLLMEngine, EngineUnavailableError, LoopState
+from roseray.runtime.async_engine import AsyncLLMEngine, LoopState
 from roseray.runtime.in_process_client import InProcessEngineClient
 from roseray.sampling_params import SamplingParams
-from tests.distributed.test_tensor_parallel_health import spawned_children
+from tests.distributed.test_tensor_parallel_health import end_of, spawned_children
 from tests.waiting import async_wait_until, wait_until
 
 RANK_KILLED = "tensor-parallel rank 1 exited (exit code -9)"
@@ -47,17 +47,6 @@ def in_collective(thread: threading.Thread) -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-async def end_of(stream) -> str:
-    """How the stream ended: its error, or its last delta's finish reason."""
-    last = None
-    try:
-        async for deltas in stream:
-            last = deltas[-1]
-    except EngineUnavailableError as error:
-        return str(error)
-    return f"finished: {last.finish_reason}"
 
 
 def gone(pid: int) -> bool:
