@@ -6,16 +6,18 @@ and they meet in an all-reduce after each row-parallel projection and an all-gat
 vocabulary-parallel logits. torch.distributed carries them: NCCL on GPUs, gloo on CPU.
 
 A process that never joins a group is rank 0 of 1: the collectives are no-ops and the layers
-are whole, so single-GPU code pays nothing. On GPUs the all-reduce of a tensor up to a few MiB
-(every decode step's) goes through symmetric memory instead of NCCL (symmetric_all_reduce.py),
-and each step's plan travels host to host over a gloo group of the same ranks (`broadcast(host=True)`).
+are whole, so single-GPU code pays nothing. On GPUs, if ROSERAY_TP_ALL_REDUCE asks for it, the
+all-reduce of a tensor up to a few MiB (every decode step's) goes through symmetric memory instead
+of NCCL (symmetric_all_reduce.py); each step's plan travels host to host over a gloo group of the
+same ranks (`broadcast(host=True)`).
 
 A rank that dies leaves the others waiting in a collective it never joins. Over gloo the wait
 ends by itself: the dead process's sockets close and the collective raises. Over NCCL it never
 ends; rank 0's watchdog (roseray.engine.rank_watchdog) calls `abort_tensor_parallel` from its own
 thread, which aborts the communicator (the blocked kernels quit) and fails every later collective.
-A symmetric-memory all-reduce that a dead rank never joins is not ended by that abort: its kernel
-waits on the peer's signal until the process goes (the health check fails; Serve replaces it).
+A symmetric-memory all-reduce (opt-in) that a dead rank never joins is not ended by that abort:
+its kernel waits on the peer's signal until the process goes (the health check fails; Serve
+replaces it), and its buffer is then never freed (freeing would wait for that kernel).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ _CURRENT = TensorParallel()
 _TEARDOWN = threading.Lock()  # an abort (the watchdog's thread) and a shutdown (the engine's) one at a time
 _aborted = False  # the group was aborted: every collective from now on raises
 _SYMMETRIC: SymmetricAllReduce | None = None
+_ABANDONED: list[SymmetricAllReduce] = []  # after an abort: a kernel may wait on it for good
 
 
 def tensor_parallel() -> TensorParallel:
@@ -94,7 +97,9 @@ def shutdown_tensor_parallel(abort: bool = False) -> None:
     captured the group's collectives are destroyed, for NCCL's teardown waits for both. `abort`
     (a rank is gone): NCCL aborts the communicator instead of a teardown that would wait for it."""
     global _CURRENT, _SYMMETRIC
-    _SYMMETRIC = None  # its buffer is freed before the group goes
+    if abort and _SYMMETRIC is not None:
+        _ABANDONED.append(_SYMMETRIC)
+    _SYMMETRIC = None  # its buffer is freed before the group goes (unless abandoned)
     with _TEARDOWN:  # after an abort in progress (NCCL's waits for the CUDA graphs, released before this)
         if _CURRENT.size > 1 and dist.is_initialized():
             if abort and _CURRENT.backend == "nccl":

@@ -22,8 +22,8 @@ HAPROXY_SPLICE_ENV = "ROSERAY_HAPROXY_SPLICE"
 HAPROXY_REUSE_ENV = "ROSERAY_HAPROXY_REUSE"
 # Ray's: Router replicas Ray runs on each proxy node (read by Ray's controller at `ray start`)
 ROUTER_REPLICAS_ENV = "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"
-# tensor-parallel all-reduce on GPUs: "auto" (default: symmetric memory for small tensors, else NCCL),
-# "nccl", "one_shot" or "two_shot" (symmetric memory up to its buffer; an A/B switch)
+# tensor-parallel all-reduce on GPUs: "nccl" (default), or symmetric memory up to its buffer: "symmetric"
+# (one-shot or two-shot by size), "one_shot", "two_shot" (faster, but a dead rank hangs the replica)
 TP_ALL_REDUCE_ENV = "ROSERAY_TP_ALL_REDUCE"
 # CUDA's: the GPUs this process may use ("" or "-1": none)
 CUDA_VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
@@ -50,8 +50,8 @@ def router_replicas_per_node() -> int:
 
 
 def tp_all_reduce() -> str:
-    """ROSERAY_TP_ALL_REDUCE ("auto" when unset or empty)."""
-    return os.environ.get(TP_ALL_REDUCE_ENV) or "auto"
+    """ROSERAY_TP_ALL_REDUCE ("nccl" when unset or empty)."""
+    return os.environ.get(TP_ALL_REDUCE_ENV) or "nccl"
 
 
 def cuda_visible_devices() -> str | None:

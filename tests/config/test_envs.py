@@ -58,9 +58,9 @@ def test_every_variable_is_read_when_used(monkeypatch):
     monkeypatch.setenv(envs.ROUTER_REPLICAS_ENV, "4")
     assert envs.router_replicas_per_node() == 4
     monkeypatch.delenv(envs.TP_ALL_REDUCE_ENV, raising=False)
-    assert envs.tp_all_reduce() == "auto"
-    monkeypatch.setenv(envs.TP_ALL_REDUCE_ENV, "nccl")
     assert envs.tp_all_reduce() == "nccl"
+    monkeypatch.setenv(envs.TP_ALL_REDUCE_ENV, "symmetric")
+    assert envs.tp_all_reduce() == "symmetric"
     monkeypatch.setenv(envs.CUDA_VISIBLE_DEVICES_ENV, "0,1")
     assert envs.cuda_visible_devices() == "0,1"
 

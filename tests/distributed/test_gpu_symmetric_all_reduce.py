@@ -52,7 +52,7 @@ def _rank(rank: int, init_method: str, method: str, failures) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("method", ["one_shot", "two_shot", "auto"])
+@pytest.mark.parametrize("method", ["one_shot", "two_shot", "symmetric"])
 def test_symmetric_all_reduce_equals_nccl(method, tmp_path):
     context = mp.get_context("spawn")
     failures = context.Queue()

@@ -20,7 +20,7 @@ def gloo_group(tmp_path):
 
 
 def test_cpu_and_nccl_choice_leave_everything_to_the_group(gloo_group):
-    assert symmetric_all_reduce(gloo_group, torch.device("cpu"), "auto") is None
+    assert symmetric_all_reduce(gloo_group, torch.device("cpu"), "symmetric") is None
     assert symmetric_all_reduce(gloo_group, torch.device("cpu"), "nccl") is None
 
 
