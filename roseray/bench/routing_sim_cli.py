@@ -7,7 +7,8 @@ replica count (TTFT p90 against offered QPS, a line per policy) under --plot-dir
 cache_aware policy (the Router's own, on the replicas' KV events), a second table: the age of
 its view of the replicas' caches at its picks (p50/p99/max) and how often that view was wrong.
 The step-time model is the hand-derived provisional one unless --step-model loads a GPU fit
-(roseray/bench/fits/h100-qwen3-0.6b.json ships: Qwen3-0.6B geometry on an H100); with the fit,
+(two ship, each of an H100: roseray/bench/fits/h100-qwen3-0.6b.json, the Qwen3-0.6B geometry,
+and h100-llama-8b.json, Llama-3.1-8B's); with the 0.6B fit,
 --async-scheduling and --serve-stats-timing the simulator matched the Ray app on two H100s
 within 25% on TTFT p50/p90 (BENCHMARKS.md).
 """

@@ -19,7 +19,8 @@ queue is more than `affinity_max_imbalance` above the shortest (the load gate) o
 cannot hold it.
 
 `policy="cache_aware"`: the free-KV gate first, then the least cost (cache_aware.py): the
-prompt blocks still to prefill at the replica, by its exact cache contents, plus its load.
+prompt blocks still to prefill at the replica, by its exact cache contents, plus its load;
+then, as kv_queue, the most free blocks (so with nothing cached anywhere it ranks as kv_queue).
 The contents come from the replicas' KV cache events (`"kv"` in their routing stats:
 kv_event_feed.py), which every policy feeds into `kv_index` (a KVCacheIndex), each stats
 dict once (by its `ts`); a replica that leaves is forgotten. At each cache_aware pick the age
@@ -246,18 +247,23 @@ class RoutingPolicy:
         free = int(kv_free) - picked_blocks
         return (0 if free >= hint.need_blocks else 1), queue, -free
 
-    def cache_aware_score(self, replica, hint: RoutingHint, now: float) -> tuple[tuple[int, float], int]:
-        """((0 if it can hold the request else 1, its cost: cache_aware.py), the blocks of the
-        request's prefix it holds). The gate counts the blocks the request needs beyond that
-        prefix (this router's picks' too: requests sharing a prefix share its blocks)."""
+    def cache_aware_score(self, replica, hint: RoutingHint, now: float) -> tuple[tuple[int, float, int], int]:
+        """((0 if it can hold the request else 1, its cost: cache_aware.py, minus its free blocks),
+        the blocks of the request's prefix it holds). The gate counts the blocks the request needs
+        beyond that prefix (this router's picks' too: requests sharing a prefix share its blocks).
+        Free blocks break equal costs as in kv_queue: without them a no-sharing load, where every
+        cost is the same prompt plus the queue, spread its ties at random and its TTFT p90 was
+        11% above kv_queue's (simulated, 16 replicas, 128 QPS)."""
         stats = replica.routing_stats or {}
         num_picks, picked_blocks = self._pending(replica.replica_id, stats, now)
         queue = int(stats.get("queue", 0)) + num_picks
         chain = hint.prefix_hashes
         cached = self.cached_blocks(replica.replica_id, chain, now)
         kv_free = stats.get("kv_free")
-        fits = kv_free is None or int(kv_free) - picked_blocks >= hint.need_blocks - cached
-        return ((0 if fits else 1), self.cache_aware.cost(max(hint.prompt_blocks, len(chain)) - cached, queue)), cached
+        free = None if kv_free is None else int(kv_free) - picked_blocks
+        fits = free is None or free >= hint.need_blocks - cached
+        cost = self.cache_aware.cost(max(hint.prompt_blocks, len(chain)) - cached, queue)
+        return ((0 if fits else 1), cost, -(free or 0)), cached
 
     def rank(self, candidates: list, hint: RoutingHint | None = None, now: float | None = None) -> list:
         hint = hint or RoutingHint()

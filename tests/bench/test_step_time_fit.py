@@ -107,8 +107,8 @@ def test_a_point_steps_only_its_windows_and_leaves_the_decodes_running():
     assert not bench.engine.has_unfinished_requests()
 
 
-def test_the_shipped_h100_fit_loads():
-    path = Path(roseray.bench.__file__).parent / "fits" / "h100-qwen3-0.6b.json"
-    model = StepTimeModel.from_json(path)
-    assert model.fit_points == 27 and "H100" in model.source and model.prefill_ctx_s > 0
-    assert model.fit_rel_err_p50 < 0.1
+@pytest.mark.parametrize("name", ["h100-qwen3-0.6b", "h100-llama-8b"])
+def test_the_shipped_h100_fits_load(name):
+    model = StepTimeModel.from_json(Path(roseray.bench.__file__).parent / "fits" / f"{name}.json")
+    assert model.fit_points == 27 and "H100" in model.source and name.split("-", 1)[1] in model.source
+    assert model.fit_rel_err_p50 < 0.1 and model.token_s > 0 and model.decode_ctx_s > 0
