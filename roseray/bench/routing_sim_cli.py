@@ -122,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"step_time_model": asdict(model), "rows": rows}, indent=2) + "\n")
     if args.plot_dir:
-        label = f"step-time fit: {model.fit_points} points" if model.fit_points else "provisional step-time model"
+        label = fit_label(model) if model.fit_points else "provisional step-time model"
         for path in plot_ttft_p90(rows, args.plot_dir, label):
             print(f"plot: {path}")
     return 0
+
+
+def fit_label(model: StepTimeModel) -> str:
+    """"step-time fit: llama-8b, 27 points": the fit's source up to the model's details."""
+    return f"{model.source.split(' (')[0]}, {model.fit_points} points"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import roseray.bench
+from roseray.bench.routing_sim_cli import fit_label
 from roseray.bench.routing_sim_cli import main as routing_sim_main
 from roseray.bench.routing_step_time import COEFFICIENTS, StepShape, StepTimeModel, fit_step_time, nnls
 from roseray.bench.step_time_fit import Point, StepBench, build_engine, parse_args
@@ -112,3 +113,4 @@ def test_the_shipped_h100_fits_load(name):
     model = StepTimeModel.from_json(Path(roseray.bench.__file__).parent / "fits" / f"{name}.json")
     assert model.fit_points == 27 and "H100" in model.source and name.split("-", 1)[1] in model.source
     assert model.fit_rel_err_p50 < 0.1 and model.token_s > 0 and model.decode_ctx_s > 0
+    assert fit_label(model) == f"step-time fit: {name.split('-', 1)[1]}, 27 points"  # the plots' title
