@@ -53,7 +53,8 @@ DTYPES = (torch.bfloat16, torch.float32)
 class SymmetricAllReduce:
     """The sum over ranks of a tensor that fits the buffer, returned as a new tensor."""
 
-    def __init__(self, group, device: torch.device, method: str = "symmetric", buffer_bytes: int = BUFFER_BYTES) -> None:
+    def __init__(self, group, device: torch.device, method: str = "symmetric",
+                 buffer_bytes: int = BUFFER_BYTES) -> None:
         self.method, self.group_name = method, group.group_name
         self.ops = torch.ops.symm_mem
         for name in ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_out"):

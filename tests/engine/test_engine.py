@@ -210,7 +210,13 @@ def test_logprobs_beyond_the_engine_limit_are_refused():
 
 def test_piecewise_token_buckets_and_cpu_runs_eagerly():
     assert token_buckets(512) == [32, 64, 128, 256, 512]
-    assert token_buckets(600) == [32, 64, 128, 256, 512, 600]
+    assert token_buckets(600) == [32, 64, 128, 256, 512, 576, 600]
+    large = token_buckets(8192)
+    assert len(large) == 37 and large[-1] == 8192 and large == sorted(set(large))
+    # past 512 tokens a step is padded by less than 1/8 of its tokens (it was up to 2x)
+    for tokens in range(513, 8193, 7):
+        bucket = next(b for b in large if b >= tokens)
+        assert bucket - tokens < tokens / 8, (tokens, bucket)
     assert token_buckets(16) == [16]
     llm = LLM("random:tiny", device="cpu", num_kv_blocks=32)
     assert llm.engine.runner.piecewise is None and not llm.engine.runner.graphs
