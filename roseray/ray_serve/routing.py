@@ -20,7 +20,8 @@ cannot hold it.
 
 `policy="cache_aware"`: the free-KV gate first, then the least cost (cache_aware.py): the
 prompt blocks still to prefill at the replica, by its exact cache contents, plus its load;
-then, as kv_queue, the most free blocks (so with nothing cached anywhere it ranks as kv_queue).
+then the most free blocks, the KV its running requests do not hold (as in kv_queue: with
+nothing cached anywhere it ranks as kv_queue).
 The contents come from the replicas' KV cache events (`"kv"` in their routing stats:
 kv_event_feed.py), which every policy feeds into `kv_index` (a KVCacheIndex), each stats
 dict once (by its `ts`); a replica that leaves is forgotten. At each cache_aware pick the age
