@@ -25,7 +25,9 @@ The weights, in units of one prompt block's prefill:
     does. A number fixes it (a running request's decode steps cost less than a queued
     prefill; the mean over-counts them, which errs towards balance).
 The free-KV gate ranks first (replicas that can hold the request before those that
-cannot, as kv_queue does), ties are broken at random.
+cannot, as kv_queue does); equal costs go to the replica with the most free KV blocks (the
+least KV held by running requests: decode load the queue does not show), as in kv_queue, and
+remaining ties at random.
 """
 
 from __future__ import annotations
