@@ -210,6 +210,8 @@ class LLMEngine:
         launch = self._prepare(batch, deltas) if batch else None
         if held is not None:  # a constrained step whose sampling waited for this step's host work
             in_flight = self._sample(held, deltas)
+            if in_flight is None:  # it failed, ending its requests, which this step's launch holds: not run
+                launch = None  # (the others are scheduled again next call; their blocks stay theirs)
         forward = self._forward(batch, launch, in_flight, deltas) if launch is not None else None
         launched = None
         if forward is not None and not forward.constrained:

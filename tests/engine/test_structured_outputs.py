@@ -11,6 +11,7 @@ import re
 import jsonschema
 import pytest
 
+from roseray.engine.request import PLACEHOLDER
 from roseray.engine.structured_output import (
     GrammarCompiler,
     RequestGrammar,
@@ -327,3 +328,49 @@ def test_overlap_with_penalised_and_constrained_requests_together():
     assert [len(o.outputs[0].token_ids) for o in outputs[4:]] == [30, 30, 30, 25]
     llm.engine.check_integrity()
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_held_step_whose_sampling_fails_ends_its_requests_and_the_next_launch_leaves_them_out(monkeypatch):
+    """With overlap a constrained step's sampling is held to the next call, after that call has
+    scheduled and prepared the next step, which includes the held step's requests. When that
+    sampling raises, the held step's requests end with an error (all of them: the step samples as
+    one) and the prepared step is not launched (it would run them after their blocks were freed,
+    leaving a placeholder in each); a request whose prefill chunk was in that step is scheduled
+    again and gives its greedy tokens."""
+    late_prompt, late_params = "x" * 60, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    config = dict(num_kv_blocks=64, max_num_batched_tokens=16, seed=5, async_scheduling=True)
+    expected = LLM("random:tiny", **config).generate(late_prompt, late_params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM("random:tiny", **config)
+    engine = llm.engine
+    real_launch, calls = engine.sampler.launch, []
+
+    def failing_launch(logits, requests, *args, grammar_mask=None, **kwargs):
+        if grammar_mask is not None:
+            calls.append(len(requests))
+            if len(calls) == 2:  # prefilling in 16-token chunks when the failure comes: the dropped step has one
+                engine.add_request("late", late_prompt, late_params)
+            if len(calls) == 3:
+                raise RuntimeError("sampler failure")
+        return real_launch(logits, requests, *args, grammar_mask=grammar_mask, **kwargs)
+
+    monkeypatch.setattr(engine.sampler, "launch", failing_launch)
+    engine.add_request("json", "constrained", _json_params(SCHEMAS["nested_object"], 1.0, seed=1, max_tokens=60))
+    engine.add_request("free", "unconstrained", SamplingParams(temperature=1.0, seed=2, max_tokens=40, ignore_eos=True))
+    finished = {}
+    for _ in range(400):
+        for delta in engine.step():
+            if delta.finished:
+                finished[delta.request_id] = delta.request
+        engine.check_integrity()
+        if not engine.has_unfinished_requests():
+            break
+    assert len(calls) >= 3, "the constrained request's sampling was never held three times"
+    for request_id in ("json", "free"):
+        request = finished[request_id]
+        assert request.status.name == "FINISHED_ERROR", request_id
+        # ended, the request holds no token still to come (a launch after the end would add one)
+        assert PLACEHOLDER not in request.token_ids, request_id
+    late = finished["late"]
+    assert late.status.name == "FINISHED_LENGTH" and list(late.output_token_ids) == list(expected)
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
