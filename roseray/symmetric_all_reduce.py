@@ -23,10 +23,8 @@ Why it is not the default: torch's kernels wait on a peer's signal with no way o
 dies while the others are inside one leaves their GPUs spinning in it for good (an NCCL abort
 ends NCCL's kernels, not these), so rank 0's step never returns, its streams end only when Serve
 replaces the replica after the health check fails, and freeing the buffer (a device-wide
-synchronization) would hang too (shutdown after an abort keeps it). Measured on 2x H100 at the
-Llama-3.1-8B geometry, TP=2, a 256-sequence decode step: 10.1 ms, of which the two-shot
-all-reduces are 1.29 ms (65 of 19.8 us); NCCL's are ~31 us each at that size.
-A second tensor-parallel engine in the same process (after the first stopped) hangs in
+synchronization) would hang too (shutdown after an abort keeps it). What it saves against NCCL
+is in BENCHMARKS.md. A second tensor-parallel engine in the same process (after the first stopped) hangs in
 `rendezvous` (torch 2.13 keeps the first group's state under the same group name; seen on 2x
 H100): with this opt-in, one tensor-parallel engine per process.
 """

@@ -182,11 +182,10 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
-        """Schedule and launch the next batch, then process the results of the batch
-        launched before it. With overlap on, the GPU runs batch N+1 while the host turns
-        batch N's tokens into text and stop decisions; off, each batch is processed right
-        after its own launch. A batch with constrained requests samples through a grammar
-        mask that needs batch N's tokens: its sampling is held to the next call (DESIGN.md)."""
+        """Schedule and launch the next batch, then process the results of the batch launched before it. With
+        overlap on, the GPU runs batch N+1 while the host turns batch N's tokens into text and stop decisions;
+        off, each batch is processed right after its own launch. A batch with constrained requests samples through
+        a grammar mask that needs batch N's tokens: its sampling is held to the next call (DESIGN.md)."""
         started = time.perf_counter()
         try:
             deltas = self._step()
@@ -210,8 +209,7 @@ class LLMEngine:
         launch = self._prepare(batch, deltas) if batch else None
         if held is not None:  # a constrained step whose sampling waited for this step's host work
             in_flight = self._sample(held, deltas)
-            if in_flight is None:  # it failed, ending its requests, which this step's launch holds: not run
-                launch = None  # (the others are scheduled again next call; their blocks stay theirs)
+            launch = launch if in_flight is not None else None  # failed, ending its requests: none run (rescheduled)
         forward = self._forward(batch, launch, in_flight, deltas) if launch is not None else None
         launched = None
         if forward is not None and not forward.constrained:

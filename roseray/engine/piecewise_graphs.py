@@ -38,9 +38,9 @@ BUCKETS_PER_DOUBLING = 8  # above FINE_BUCKETS_FROM: a step is padded by less th
 
 def token_buckets(max_tokens: int, smallest: int = 32) -> list[int]:
     """Powers of two from `smallest` up to FINE_BUCKETS_FROM, then BUCKETS_PER_DOUBLING evenly
-    spaced buckets per doubling, then `max_tokens` itself as the largest bucket. More buckets
-    cost capture time (about 0.1 s each for an 8B model: 37 up to 8192 tokens) and no memory
-    to speak of (the graphs share one pool, captured largest first)."""
+    spaced buckets per doubling, then `max_tokens` itself as the largest bucket (37 up to 8192).
+    More buckets cost capture time and no memory to speak of (the graphs share one pool,
+    captured largest first)."""
     buckets, size = [], smallest
     while size < max_tokens:
         buckets.append(size)

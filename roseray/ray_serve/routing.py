@@ -238,14 +238,18 @@ class RoutingPolicy:
                 cached = max(cached, common_prefix(chain, picked_chain))
         return cached
 
-    def score(self, replica, hint: RoutingHint, now: float) -> tuple[int, int, int]:
+    def _load(self, replica, now: float) -> tuple[int, int | None]:
+        """(its queue, its free KV blocks; None: no stats yet), both counting this router's picks
+        sent there since its latest stats."""
         stats = replica.routing_stats or {}
         num_picks, picked_blocks = self._pending(replica.replica_id, stats, now)
-        queue = int(stats.get("queue", 0)) + num_picks
         kv_free = stats.get("kv_free")
-        if kv_free is None:  # no stats yet: assume it fits
+        return int(stats.get("queue", 0)) + num_picks, None if kv_free is None else int(kv_free) - picked_blocks
+
+    def score(self, replica, hint: RoutingHint, now: float) -> tuple[int, int, int]:
+        queue, free = self._load(replica, now)
+        if free is None:  # no stats yet: assume it fits
             return 0, queue, 0
-        free = int(kv_free) - picked_blocks
         return (0 if free >= hint.need_blocks else 1), queue, -free
 
     def cache_aware_score(self, replica, hint: RoutingHint, now: float) -> tuple[tuple[int, float, int], int]:
@@ -253,15 +257,11 @@ class RoutingPolicy:
         the blocks of the request's prefix it holds). The gate counts the blocks the request needs
         beyond that prefix (this router's picks' too: requests sharing a prefix share its blocks).
         Free blocks break equal costs as in kv_queue: without them a no-sharing load, where every
-        cost is the same prompt plus the queue, spread its ties at random and its TTFT p90 was
-        11% above kv_queue's (simulated, 16 replicas, 128 QPS)."""
-        stats = replica.routing_stats or {}
-        num_picks, picked_blocks = self._pending(replica.replica_id, stats, now)
-        queue = int(stats.get("queue", 0)) + num_picks
+        cost is the same prompt plus the queue, spread its ties at random and fell behind
+        kv_queue's TTFT (BENCHMARKS.md)."""
+        queue, free = self._load(replica, now)
         chain = hint.prefix_hashes
         cached = self.cached_blocks(replica.replica_id, chain, now)
-        kv_free = stats.get("kv_free")
-        free = None if kv_free is None else int(kv_free) - picked_blocks
         fits = free is None or free >= hint.need_blocks - cached
         cost = self.cache_aware.cost(max(hint.prompt_blocks, len(chain)) - cached, queue)
         return ((0 if fits else 1), cost, -(free or 0)), cached

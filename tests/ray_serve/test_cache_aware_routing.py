@@ -92,16 +92,16 @@ def test_the_gate_counts_only_the_blocks_beyond_the_cached_prefix():
 def test_with_nothing_cached_anywhere_it_ranks_as_kv_queue():
     """No sharing: every cost is the same prompt plus the queue, so the order is kv_queue's
     (shortest queue, then most free blocks), for random queues and free blocks."""
+    def order(ranked):  # kv_queue's keys of a ranking (replicas equal in them may come in any order)
+        return [(s["kv_free"] < 23, s["queue"], -s["kv_free"]) for s in (r.routing_stats for r in ranked)]
+
     rng = random.Random(3)
     hint = RoutingHint(need_blocks=23, prefix_hashes=CHAIN, prompt_blocks=21)  # its blocks held nowhere
     for trial in range(50):
         replicas = [Replica(f"r{i}", stats(rng.randint(0, 3), kv_free=rng.choice([10, 40, 60, 80, 100]), kv=batch(1)))
                     for i in range(6)]
         want = RoutingPolicy(seed=trial).rank(replicas, RoutingHint(need_blocks=23), now=1000.5)
-        got = policy().rank(replicas, hint, now=1000.5)
-        key = [(r.routing_stats["kv_free"] < 23, r.routing_stats["queue"], -r.routing_stats["kv_free"]) for r in got]
-        assert key == [(r.routing_stats["kv_free"] < 23, r.routing_stats["queue"], -r.routing_stats["kv_free"])
-                       for r in want]
+        assert order(policy().rank(replicas, hint, now=1000.5)) == order(want)
 
 
 def test_a_restarted_replica_stops_attracting_the_prefix():
