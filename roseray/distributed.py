@@ -8,16 +8,19 @@ vocabulary-parallel logits. torch.distributed carries them: NCCL on GPUs, gloo o
 A process that never joins a group is rank 0 of 1: the collectives are no-ops and the layers
 are whole, so single-GPU code pays nothing. On GPUs, if ROSERAY_TP_ALL_REDUCE asks for it, the
 all-reduce of a tensor up to a few MiB (every decode step's) goes through symmetric memory instead
-of NCCL (symmetric_all_reduce.py); each step's plan travels host to host over a gloo group of the
+of NCCL (symmetric_all_reduce.py, triton_all_reduce.py); each step's plan travels host to host over a gloo group of the
 same ranks (`broadcast(host=True)`).
 
 A rank that dies leaves the others waiting in a collective it never joins. Over gloo the wait
 ends by itself: the dead process's sockets close and the collective raises. Over NCCL it never
 ends; rank 0's watchdog (roseray.engine.rank_watchdog) calls `abort_tensor_parallel` from its own
 thread, which aborts the communicator (the blocked kernels quit) and fails every later collective.
-A symmetric-memory all-reduce (opt-in) that a dead rank never joins is not ended by that abort:
-its kernel waits on the peer's signal until the process goes (the health check fails; Serve
-replaces it), and its buffer is then never freed (freeing would wait for that kernel).
+The abort also sets the abort flag of roseray's own symmetric-memory all-reduce (opt-in,
+ROSERAY_TP_ALL_REDUCE=triton), whose kernel then stops waiting. torch's symmetric-memory
+all-reduce (opt-in, symmetric / one_shot / two_shot) that a dead rank never joins is not ended by
+it: its kernel waits on the peer's signal until the process goes (the health check fails; Serve
+replaces it). Either way the buffer is never freed after an abort (freeing would wait for that
+kernel, or on the dead rank).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.distributed as dist
 
 from roseray import envs
 from roseray.symmetric_all_reduce import SymmetricAllReduce, symmetric_all_reduce
+from roseray.triton_all_reduce import TritonAllReduce
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,8 @@ COLLECTIVE_TIMEOUT = timedelta(days=365)
 _CURRENT = TensorParallel()
 _TEARDOWN = threading.Lock()  # an abort (the watchdog's thread) and a shutdown (the engine's) one at a time
 _aborted = False  # the group was aborted: every collective from now on raises
-_SYMMETRIC: SymmetricAllReduce | None = None
-_ABANDONED: list[SymmetricAllReduce] = []  # after an abort: a kernel may wait on it for good
+_SYMMETRIC: SymmetricAllReduce | TritonAllReduce | None = None
+_ABANDONED: list[SymmetricAllReduce | TritonAllReduce] = []  # after an abort: a kernel may wait on it for good
 
 
 def tensor_parallel() -> TensorParallel:
@@ -111,7 +115,8 @@ def shutdown_tensor_parallel(abort: bool = False) -> None:
 
 def abort_tensor_parallel(tp: TensorParallel) -> None:
     """From any thread, when a rank of `tp` (what init_tensor_parallel returned) has died: every
-    collective from now on raises, and NCCL's communicator is aborted, so that a collective this
+    collective from now on raises, the symmetric-memory all-reduce's kernels stop waiting (where
+    they can: the triton method's), and NCCL's communicator is aborted, so that a collective this
     rank waits in ends (its kernels quit; NCCL allows the abort beside a blocked caller). Gloo's
     group is left alone: its transport already fails a collective whose peer exited, and it is not
     safe to destroy beside a collective. Nothing if this process has left `tp` meanwhile."""
@@ -120,6 +125,8 @@ def abort_tensor_parallel(tp: TensorParallel) -> None:
         if _CURRENT is not tp or tp.size == 1 or not dist.is_initialized():
             return
         _aborted = True
+        if _SYMMETRIC is not None:  # first: a kernel of it may hold up what follows on this rank's device
+            _SYMMETRIC.abort()
         if tp.backend == "nccl":
             dist.distributed_c10d._abort_process_group()
 

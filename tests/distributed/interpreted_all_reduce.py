@@ -1,0 +1,118 @@
+"""roseray_kernels.tp_all_reduce run by Triton's interpreter on CPU, started by test_triton_all_reduce.py
+with TRITON_INTERPRET=1 (read when the kernels are decorated, so in a process of its own).
+
+Ranks are processes; every rank's buffer, signal pad and abort flag are shared memory, and each rank's
+pointer tables hold its own mappings of them, as symmetric memory's do. What this shows: the protocol's
+logic (each program's slice, the signal slots, signals consumed so that the pads end at 0, both ranks
+agreeing on the buffer half call after call whatever the grid, the abort), not the GPU's memory
+ordering (the interpreter runs a program's threads as one, its loads and atomics in program order).
+
+    python -m tests.distributed.interpreted_all_reduce sums WORLD_SIZE   # prints "ok" or the problems
+    python -m tests.distributed.interpreted_all_reduce abort
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+import torch.multiprocessing as mp
+
+from roseray_kernels.tp_all_reduce import PeerBuffers, all_reduce_reference, one_shot_all_reduce
+from tests.waiting import wait_until
+
+HALF_BYTES = 64 << 10
+PAD_SLOTS = 1024
+MAX_PROGRAMS = 4
+# [rows, hidden, dtype]: one to MAX_PROGRAMS programs (a program's block is 8 KiB), tails, both dtypes; an
+# odd count of calls, so that the parity ends at 1
+CALLS = [(1, 1024, torch.bfloat16), (3, 4096, torch.float32), (5, 2048, torch.bfloat16), (2, 1024, torch.float32),
+         (7, 1032, torch.bfloat16), (1, 8192, torch.bfloat16), (16, 1024, torch.float32)]
+ABORT_WAIT_S = 60.0
+STILL_WAITING_S = 0.5  # how long rank 0's kernel is seen still waiting before the abort (it would wait for good)
+
+
+def shared_memory(world_size: int) -> tuple[list, list, list]:
+    """Each rank's buffer (two halves), signal pad and abort flag, all zero."""
+    buffers = [torch.zeros(2 * HALF_BYTES, dtype=torch.uint8).share_memory_() for _ in range(world_size)]
+    pads = [torch.zeros(PAD_SLOTS, dtype=torch.int32).share_memory_() for _ in range(world_size)]
+    flags = [torch.zeros(1, dtype=torch.int32).share_memory_() for _ in range(world_size)]
+    return buffers, pads, flags
+
+
+def peer_buffers(rank: int, buffers: list, pads: list, flag: torch.Tensor) -> PeerBuffers:
+    return PeerBuffers(rank=rank, world_size=len(buffers),
+                       buffer_ptrs=torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64),
+                       signal_pad_ptrs=torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64),
+                       half_bytes=HALF_BYTES, state=torch.zeros(2, dtype=torch.int32), abort_flag=flag,
+                       max_programs=MAX_PROGRAMS)
+
+
+def _rank_calls(rank: int, buffers: list, pads: list, flags: list, inputs: list, outputs: list, states) -> None:
+    peers = peer_buffers(rank, buffers, pads, flags[rank])
+    for x, out in zip(inputs, outputs):
+        out[rank].copy_(one_shot_all_reduce(x[rank], peers))
+    states[rank].copy_(peers.state)
+
+
+def check_sums(world_size: int) -> list[str]:
+    """Every rank makes CALLS in order; the problems found (none: [])."""
+    torch.manual_seed(world_size)
+    buffers, pads, flags = shared_memory(world_size)
+    inputs = [torch.randn(world_size, rows, hidden).to(dtype).share_memory_() for rows, hidden, dtype in CALLS]
+    outputs = [torch.full((world_size, rows, hidden), float("nan"), dtype=dtype).share_memory_()
+               for rows, hidden, dtype in CALLS]
+    states = torch.full((world_size, 2), -1, dtype=torch.int32).share_memory_()
+    mp.start_processes(_rank_calls, args=(buffers, pads, flags, inputs, outputs, states), nprocs=world_size,
+                       start_method="fork")
+    problems = []
+    for (rows, hidden, dtype), x, out in zip(CALLS, inputs, outputs):
+        expected = all_reduce_reference(list(x))
+        for rank in range(world_size):
+            if dtype == torch.float32:
+                same = torch.equal(out[rank], expected)
+            else:  # the interpreter rounds fp32 to bf16 toward zero (a GPU to nearest even): within one bf16 step
+                same = torch.allclose(out[rank].float(), expected.float(), rtol=2 ** -7, atol=0)
+            if not same:
+                problems.append(f"rank {rank}, [{rows}, {hidden}] {dtype}: max error "
+                                f"{(out[rank].float() - expected.float()).abs().max().item()}")
+        if not all(torch.equal(out[0], out[rank]) for rank in range(world_size)):
+            problems.append(f"[{rows}, {hidden}] {dtype}: the ranks' sums differ")
+    for rank, pad in enumerate(pads):
+        if pad.any():
+            problems.append(f"rank {rank}'s signal pad is not all 0 after the calls: slots {pad.nonzero().flatten()}")
+    if states.tolist() != [[len(CALLS) % 2, 0]] * world_size:
+        problems.append(f"the ranks' [parity, finished] after {len(CALLS)} calls: {states.tolist()}")
+    return problems
+
+
+def check_abort() -> list[str]:
+    """Rank 0 of 2 calls while rank 1 never does: its kernel signals rank 1 and waits; once that is seen,
+    another thread sets the abort flag, and the call returns."""
+    buffers, pads, flags = shared_memory(2)
+    peers = peer_buffers(0, buffers, pads, flags[0])
+    returned = threading.Event()
+    result = []
+
+    def call() -> None:
+        result.append(one_shot_all_reduce(torch.ones(1, 1024), peers))
+        returned.set()
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    # slot [program 0, rank 0] of rank 1's pad: rank 0 has signalled, and waits for rank 1 from now on
+    wait_until(lambda: pads[1][0].item() == 1 or returned.is_set(), timeout=ABORT_WAIT_S,
+               message="rank 0's kernel never signalled rank 1")
+    if returned.wait(STILL_WAITING_S):
+        return ["rank 0's kernel returned without rank 1 and without the abort"]
+    flags[0].fill_(1)
+    if not returned.wait(ABORT_WAIT_S):
+        return [f"rank 0's kernel still waits {ABORT_WAIT_S:.0f} s after the abort"]
+    return [] if peers.state.tolist() == [1, 0] else [f"[parity, finished] after the aborted call: {peers.state}"]
+
+
+if __name__ == "__main__":
+    found = check_sums(int(sys.argv[2])) if sys.argv[1] == "sums" else check_abort()
+    print("\n".join(found) or "ok")
+    sys.exit(1 if found else 0)
