@@ -54,7 +54,7 @@ import triton.language as tl
 DTYPES = (torch.bfloat16, torch.float32)
 BLOCK_BYTES = 8192  # the bytes of x one program moves per step of its loop (16 B per thread and load)
 NUM_WARPS = 8
-POLL_EVERY = 1024  # spins of a wait between two reads of the abort flag (host memory, over PCIe)
+POLL_EVERY = 256  # spins of a wait between two reads of the abort flag (host memory, over PCIe)
 PARITY = tl.constexpr(0)  # the int32 slots of `state`: the parity of the calls made (which half is this call's),
 FINISHED = tl.constexpr(1)  # and the programs of the current call that have finished
 
