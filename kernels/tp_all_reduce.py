@@ -148,7 +148,7 @@ def _abort_flag(abort_ptr, THREADS: tl.constexpr):
 
 
 @triton.jit
-def _barrier_with_peers(signal_pad_ptrs, abort_ptr, slot, RANK: tl.constexpr, WORLD: tl.constexpr,
+def barrier_with_peers(signal_pad_ptrs, abort_ptr, slot, RANK: tl.constexpr, WORLD: tl.constexpr,
                         WORLD_P2: tl.constexpr, POLL_EVERY: tl.constexpr, THREADS: tl.constexpr):
     """Program `slot` of this rank meets program `slot` of every peer: everything this program's
     threads wrote before is visible to the peers' programs after, and theirs to this one. Returns
@@ -190,15 +190,15 @@ def _one_shot_all_reduce_kernel(
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
-    parity = tl.load(state_ptr + PARITY)
+    parity = call_parity(state_ptr)
     half = parity.to(tl.int64) * half_elements
     mine = tl.multiple_of(tl.load(buffer_ptrs + RANK).to(tl.pointer_type(dtype)) + half, 16)
     for start in range(pid * BLOCK, numel, programs * BLOCK):  # (a) my slice into my buffer
         offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)
         mask = offs < numel
         tl.store(mine + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-    aborted = _barrier_with_peers(signal_pad_ptrs, abort_ptr, pid, RANK, WORLD, WORLD_P2, POLL_EVERY,  # (b)
-                                  THREADS)
+    aborted = barrier_with_peers(signal_pad_ptrs, abort_ptr, pid, RANK, WORLD, WORLD_P2, POLL_EVERY,  # (b)
+                                 THREADS)
     if aborted == 0:  # (c) the sum of the slice over every rank's buffer
         for start in range(pid * BLOCK, numel, programs * BLOCK):
             offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)
@@ -208,9 +208,21 @@ def _one_shot_all_reduce_kernel(
                 buffer = tl.multiple_of(tl.load(buffer_ptrs + r).to(tl.pointer_type(dtype)) + half, 16)
                 total += tl.load(buffer + offs, mask=mask).to(tl.float32)
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-    # the last program of the call to get here flips the parity (every program read it above, before
-    # this add: acq_rel orders that read first); the next launch on this stream sees both stores
+    finish_call(state_ptr, parity)
+
+
+@triton.jit
+def call_parity(state_ptr):
+    """Which buffer half this call uses (0 or 1): read by every program at its start."""
+    return tl.load(state_ptr + PARITY)
+
+
+@triton.jit
+def finish_call(state_ptr, parity):
+    """Every program's last step: the last program of the call to get here flips the parity (every
+    program read it before its add here: acq_rel orders that read first); the next launch on this
+    stream sees both stores."""
     finished = tl.atomic_add(state_ptr + FINISHED, 1, sem="acq_rel", scope="gpu")
-    if finished == programs - 1:
+    if finished == tl.num_programs(0) - 1:
         tl.store(state_ptr + FINISHED, 0)
         tl.store(state_ptr + PARITY, 1 - parity)

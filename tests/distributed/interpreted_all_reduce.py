@@ -8,6 +8,7 @@ agreeing on the buffer half call after call whatever the grid, the abort), not t
 ordering (the interpreter runs a program's threads as one, its loads and atomics in program order).
 
     python -m tests.distributed.interpreted_all_reduce sums WORLD_SIZE   # prints "ok" or the problems
+    python -m tests.distributed.interpreted_all_reduce fused              # all_reduce_add_rmsnorm among sums
     python -m tests.distributed.interpreted_all_reduce abort
 """
 
@@ -20,6 +21,8 @@ import torch
 import torch.multiprocessing as mp
 
 from roseray_kernels.tp_all_reduce import PeerBuffers, all_reduce_reference, one_shot_all_reduce
+from roseray_kernels.tp_all_reduce_norm import all_reduce_add_rmsnorm, all_reduce_add_rmsnorm_reference
+from tests.kernels.helpers import rel_err
 from tests.waiting import wait_until
 
 HALF_BYTES = 64 << 10
@@ -29,6 +32,11 @@ MAX_PROGRAMS = 4
 # odd count of calls, so that the parity ends at 1
 CALLS = [(1, 1024, torch.bfloat16), (3, 4096, torch.float32), (5, 2048, torch.bfloat16), (2, 1024, torch.float32),
          (7, 1032, torch.bfloat16), (1, 8192, torch.bfloat16), (16, 1024, torch.float32)]
+# ("norm" | "sum", rows, hidden, dtype): the fused kernel's calls among plain ones (they share the call parity);
+# rows past MAX_PROGRAMS (programs loop), hidden not a power of two (masked columns)
+FUSED_CALLS = [("norm", 3, 1024, torch.float32), ("sum", 1, 1024, torch.bfloat16), ("norm", 9, 1536, torch.float32),
+               ("norm", 5, 2048, torch.bfloat16), ("sum", 4, 1024, torch.float32), ("norm", 1, 4096, torch.float32)]
+EPS = 1e-6
 ABORT_WAIT_S = 60.0
 STILL_WAITING_S = 0.5  # how long rank 0's kernel is seen still waiting before the abort (it would wait for good)
 
@@ -87,6 +95,51 @@ def check_sums(world_size: int) -> list[str]:
     return problems
 
 
+def _rank_fused_calls(rank: int, buffers: list, pads: list, flags: list, calls: list, states) -> None:
+    peers = peer_buffers(rank, buffers, pads, flags[rank])
+    for (kind, *_), (x, residual, weight, out, residual_out) in zip(FUSED_CALLS, calls):
+        if kind == "sum":
+            out[rank].copy_(one_shot_all_reduce(x[rank], peers))
+        else:
+            normed, summed = all_reduce_add_rmsnorm(x[rank], residual, weight, EPS, peers)
+            out[rank].copy_(normed)
+            residual_out[rank].copy_(summed)
+    states[rank].copy_(peers.state)
+
+
+def check_fused() -> list[str]:
+    """Two ranks make FUSED_CALLS in order; the problems found. fp32: the sums and the new residual exact, the
+    normed rows to fp32 rounding (the sum of squares in another order); bf16 within the interpreter's
+    rounding (toward zero, at each of the kernel's roundings)."""
+    torch.manual_seed(7)
+    buffers, pads, flags = shared_memory(2)
+    calls = []
+    for _, rows, hidden, dtype in FUSED_CALLS:
+        calls.append([torch.randn(2, rows, hidden).to(dtype).share_memory_(),
+                      torch.randn(rows, hidden).to(dtype).share_memory_(),
+                      (1 + 0.1 * torch.randn(hidden)).to(dtype).share_memory_(),
+                      torch.full((2, rows, hidden), float("nan"), dtype=dtype).share_memory_(),
+                      torch.full((2, rows, hidden), float("nan"), dtype=dtype).share_memory_()])
+    states = torch.full((2, 2), -1, dtype=torch.int32).share_memory_()
+    mp.start_processes(_rank_fused_calls, args=(buffers, pads, flags, calls, states), nprocs=2, start_method="fork")
+    problems = []
+    for (kind, rows, hidden, dtype), (x, residual, weight, out, residual_out) in zip(FUSED_CALLS, calls):
+        if kind == "sum":
+            pairs = [(out, all_reduce_reference(list(x)))]
+        else:
+            pairs = list(zip((out, residual_out), all_reduce_add_rmsnorm_reference(list(x), residual, weight, EPS)))
+        for i, (got, expected) in enumerate(pairs):
+            exact = dtype == torch.float32 and not (kind == "norm" and i == 0)
+            for rank in range(2):
+                error = rel_err(got[rank], expected)
+                if error > (0 if exact else 1e-6 if dtype == torch.float32 else 2e-2):
+                    problems.append(f"rank {rank}, {kind} [{rows}, {hidden}] {dtype} output {i}: relative error "
+                                    f"{error}")
+    if any(pad.any() for pad in pads) or states.tolist() != [[len(FUSED_CALLS) % 2, 0]] * 2:
+        problems.append(f"pads or [parity, finished] not as after {len(FUSED_CALLS)} calls: {states.tolist()}")
+    return problems
+
+
 def check_abort() -> list[str]:
     """Rank 0 of 2 calls while rank 1 never does: its kernel signals rank 1 and waits; once that is seen,
     another thread sets the abort flag, and the call returns."""
@@ -113,6 +166,6 @@ def check_abort() -> list[str]:
 
 
 if __name__ == "__main__":
-    found = check_sums(int(sys.argv[2])) if sys.argv[1] == "sums" else check_abort()
+    found = {"sums": lambda: check_sums(int(sys.argv[2])), "fused": check_fused, "abort": check_abort}[sys.argv[1]]()
     print("\n".join(found) or "ok")
     sys.exit(1 if found else 0)

@@ -2,8 +2,9 @@
 (bit for bit: on two ranks both add once in fp32 and round once) for bf16 and fp32 decode shapes, eagerly
 and replayed 100 times from CUDA graphs (one call per graph, and a graph of calls whose grids differ); and
 a rank 0 whose kernel waits for a rank 1 that never calls returns once the abort flag is set from another
-thread, as do its later calls. Skipped without two CUDA devices. Every wait here is bounded: a kernel that
-never returns fails the test (its processes are killed), never hangs it."""
+thread, as do its later calls; the fused all-reduce + residual add + RMSNorm matches its reference.
+Skipped without two CUDA devices. Every wait here is bounded: a kernel that never returns fails the
+test (its processes are killed), never hangs it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch.multiprocessing as mp
 
 from roseray.triton_all_reduce import TritonAllReduce
 from roseray_kernels.tp_all_reduce import all_reduce_reference
+from roseray_kernels.tp_all_reduce_norm import all_reduce_add_rmsnorm, all_reduce_add_rmsnorm_reference, takes_rows
+from tests.kernels.helpers import rel_err
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
@@ -25,6 +28,9 @@ SHAPES = [(1, 4096), (7, 4096), (64, 4096), (256, 4096), (1024, 4096), (3, 1024)
 CHAIN = [(1, 4096, torch.bfloat16), (256, 4096, torch.bfloat16), (5, 2048, torch.float32), (1024, 4096, torch.bfloat16),
          (2, 4096, torch.bfloat16)]
 REPLAYS = 100
+FUSED_SHAPES = [(1, 4096), (7, 4096), (256, 4096), (300, 2048), (64, 8192), (1024, 4096)]
+EPS = 1e-6
+NORM_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # as tests/kernels/test_fused_ops.py's rmsnorm
 STILL_WAITING_S = 1.0  # rank 0's kernel is seen still waiting this long before the abort
 ABORT_BOUND_S = 10.0  # its synchronize returns within this after the abort (it polls every few hundred spins)
 PROCESS_TIMEOUT_S = 300
@@ -85,6 +91,42 @@ def _sums(rank: int, failures) -> None:
     torch.cuda.synchronize()
 
 
+def _fused(rank: int, failures) -> None:
+    """all_reduce_add_rmsnorm against its reference: the new residual exact, the normed rows as fused_norm's
+    tests allow (the sum of squares in another order); eagerly and replayed from a graph."""
+    reduce = TritonAllReduce(dist.group.WORLD, torch.device("cuda", rank))
+    mine = torch.Generator(device="cuda").manual_seed(rank)
+    shared = torch.Generator(device="cuda").manual_seed(100)  # the residual and weight: the same on every rank
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows, hidden in FUSED_SHAPES:
+            x = torch.randn(rows, hidden, device="cuda", dtype=dtype, generator=mine)
+            residual = torch.randn(rows, hidden, device="cuda", dtype=dtype, generator=shared)
+            weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=shared)).to(dtype)
+            if not takes_rows(x, residual, weight, reduce.peers):
+                continue
+            what = f"rank {rank} fused [{rows}, {hidden}] {dtype}"
+
+            def check(label: str, got: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> None:
+                every = [torch.empty_like(x) for _ in range(2)]
+                dist.all_gather(every, x)
+                normed, summed = all_reduce_add_rmsnorm_reference(every, residual, weight, EPS)
+                _check(failures, f"{what} {label} residual", got[1], summed)
+                if rel_err(got[0], normed) > NORM_TOLERANCE[dtype]:
+                    failures.put(f"{what} {label} normed: relative error {rel_err(got[0], normed)}")
+
+            check("eager", all_reduce_add_rmsnorm(x, residual, weight, EPS, reduce.peers), x)
+            static = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = all_reduce_add_rmsnorm(static, residual, weight, EPS, reduce.peers)
+            for i in range(REPLAYS):
+                static.copy_(x * (i % 5 + 1))
+                graph.replay()
+                check(f"replay {i}", out, static)
+            graph.reset()
+    torch.cuda.synchronize()
+
+
 def _abort(rank: int, failures, signalled) -> None:
     """Rank 1 only sets up the buffer and watches its signal pad; rank 0 calls, waits, and is aborted."""
     reduce = TritonAllReduce(dist.group.WORLD, torch.device("cuda", rank))
@@ -116,6 +158,8 @@ def _rank(rank: int, init_method: str, test: str, failures, signalled) -> None:
     try:
         if test == "sums":
             _sums(rank, failures)
+        elif test == "fused":
+            _fused(rank, failures)
         else:
             _abort(rank, failures, signalled)
     except BaseException as error:  # noqa: BLE001 - reported to the test (an AssertionError from wait_until too)
@@ -156,6 +200,12 @@ def run_two_ranks(test: str, tmp_path) -> list[str]:
 @pytest.mark.timeout(PROCESS_TIMEOUT_S + 120)
 def test_triton_all_reduce_equals_nccl_eagerly_and_from_cuda_graphs(tmp_path):
     problems = run_two_ranks("sums", tmp_path)
+    assert not problems, problems[:20]
+
+
+@pytest.mark.timeout(PROCESS_TIMEOUT_S + 120)
+def test_fused_all_reduce_add_rmsnorm_matches_its_reference_eagerly_and_from_cuda_graphs(tmp_path):
+    problems = run_two_ranks("fused", tmp_path)
     assert not problems, problems[:20]
 
 

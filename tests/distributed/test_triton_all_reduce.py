@@ -1,8 +1,8 @@
 """roseray's own all-reduce kernel (ROSERAY_TP_ALL_REDUCE=triton) where no GPU is needed: the method's
 name and its choice (never on CPU), the tensors the kernel takes and its reference sum, the watchdog's
-abort reaching the live all-reduce's flag, and the kernel's protocol run by Triton's interpreter with
-ranks as processes over shared memory (interpreted_all_reduce.py). On two GPUs:
-test_gpu_triton_all_reduce.py."""
+abort reaching the live all-reduce's flag, the fused all-reduce + residual add + RMSNorm's host side,
+and both kernels' protocol run by Triton's interpreter with ranks as processes over shared memory
+(interpreted_all_reduce.py). On two GPUs: test_gpu_triton_all_reduce.py."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from roseray_kernels.tp_all_reduce import (
     signal_pad_bytes,
     takes,
 )
+from roseray_kernels.tp_all_reduce_norm import all_reduce_add_rmsnorm, all_reduce_add_rmsnorm_reference, takes_rows
 
 REPO = Path(__file__).resolve().parents[2]
 INTERPRETED_TIMEOUT_S = 240  # a protocol that deadlocks shows as this timeout
@@ -68,6 +69,23 @@ def test_the_kernel_takes_small_dense_bf16_and_fp32_tensors_only():
     assert signal_pad_bytes(132, 8) == 132 * 8 * 4
 
 
+def test_the_fused_kernel_takes_rows_with_a_residual_and_weight_of_their_dtype():
+    peers = cpu_peers(half_bytes=1 << 20)
+    x, residual, weight = torch.zeros(4, 1024), torch.zeros(4, 1024), torch.ones(1024)
+    assert takes_rows(x, residual, weight, peers)
+    assert not takes_rows(x, residual[:2], weight, peers)
+    assert not takes_rows(x, residual.bfloat16(), weight, peers)
+    assert not takes_rows(x, residual, weight[:512], peers)
+    assert not takes_rows(x.view(-1), residual.view(-1), weight, peers)  # rows, not a flat tensor
+    assert not takes_rows(torch.zeros(4, 1026), torch.zeros(4, 1026), torch.ones(1026), peers)  # 4104-byte rows
+    with pytest.raises(ValueError, match="residual"):
+        all_reduce_add_rmsnorm(x, residual[:2], weight, 1e-6, peers)
+    xs = [torch.randn(3, 64), torch.randn(3, 64)]
+    normed, summed = all_reduce_add_rmsnorm_reference(xs, residual[:3, :64], weight[:64], 1e-6)
+    assert torch.equal(summed, xs[0] + xs[1] + residual[:3, :64])
+    torch.testing.assert_close(normed, summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
 def test_the_reference_sums_in_fp32_and_rounds_once():
     one, eps = torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([2 ** -9], dtype=torch.bfloat16)
     # bf16 adds one at a time lose each 2^-9 (a quarter of bf16's step at 1.0); the fp32 sum keeps their
@@ -103,6 +121,12 @@ def run_interpreted(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_interpreted_ranks_sum_call_after_call_and_leave_the_signal_pads_at_zero(world_size):
     result = run_interpreted("sums", str(world_size))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr[-3000:]
+
+
+@pytest.mark.timeout(INTERPRETED_TIMEOUT_S + 60)
+def test_interpreted_ranks_all_reduce_add_and_rmsnorm_among_plain_all_reduces():
+    result = run_interpreted("fused")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr[-3000:]
 
 
