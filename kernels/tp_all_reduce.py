@@ -170,7 +170,7 @@ def barrier_with_peers(signal_pad_ptrs, abort_ptr, slot, RANK: tl.constexpr, WOR
     return aborted
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_vectors"])  # one compile for every size (numel's alignment is VECTOR's)
 def _one_shot_all_reduce_kernel(
     x_ptr,  # [numel] this rank's tensor
     out_ptr,  # [numel] the sum

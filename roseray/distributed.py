@@ -102,6 +102,7 @@ def shutdown_tensor_parallel(abort: bool = False) -> None:
     (a rank is gone): NCCL aborts the communicator instead of a teardown that would wait for it."""
     global _CURRENT, _SYMMETRIC
     if abort and _SYMMETRIC is not None:
+        _SYMMETRIC.abort()  # a kernel of it that still waits on the gone rank stops (if it can)
         _ABANDONED.append(_SYMMETRIC)
     _SYMMETRIC = None  # its buffer is freed before the group goes (unless abandoned)
     with _TEARDOWN:  # after an abort in progress (NCCL's waits for the CUDA graphs, released before this)

@@ -95,9 +95,15 @@ def test_the_reference_sums_in_fp32_and_rounds_once():
     assert all_reduce_reference([one, eps, eps, eps]).dtype == torch.bfloat16
 
 
-def test_the_watchdogs_abort_sets_the_flag_of_the_live_all_reduce(gloo_group, monkeypatch):
-    reduce = TritonAllReduce.__new__(TritonAllReduce)  # the host side only (the real one needs GPUs)
+def host_side_all_reduce() -> TritonAllReduce:
+    """A TritonAllReduce of which only the host side is there (the real one needs GPUs)."""
+    reduce = TritonAllReduce.__new__(TritonAllReduce)
     reduce.abort_flag = torch.zeros(1, dtype=torch.int32)
+    return reduce
+
+
+def test_the_watchdogs_abort_sets_the_flag_of_the_live_all_reduce(gloo_group, monkeypatch):
+    reduce = host_side_all_reduce()
     tp = TensorParallel(rank=0, size=2, group=gloo_group, host_group=gloo_group)
     monkeypatch.setattr(distributed, "_CURRENT", tp)
     monkeypatch.setattr(distributed, "_SYMMETRIC", reduce)
@@ -108,6 +114,14 @@ def test_the_watchdogs_abort_sets_the_flag_of_the_live_all_reduce(gloo_group, mo
     assert reduce.aborted and reduce.abort_flag.item() == 1
     with pytest.raises(RuntimeError, match="aborted"):
         distributed.all_reduce(torch.ones(4))
+
+
+def test_a_shutdown_after_a_rank_died_sets_the_flag_and_keeps_the_buffer(monkeypatch):
+    reduce, abandoned = host_side_all_reduce(), []
+    monkeypatch.setattr(distributed, "_SYMMETRIC", reduce)
+    monkeypatch.setattr(distributed, "_ABANDONED", abandoned)
+    distributed.shutdown_tensor_parallel(abort=True)  # this process is in no group: nothing else to leave
+    assert reduce.aborted and abandoned == [reduce] and distributed._SYMMETRIC is None
 
 
 def run_interpreted(*args: str) -> subprocess.CompletedProcess:
