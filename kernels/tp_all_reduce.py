@@ -18,13 +18,14 @@ swap 1 -> 0. So each slot holds at most one pending signal, and after a call com
 rank every slot used is 0 again: the pads need no reset, and a CUDA graph of the call replays any
 number of times.
 
-One barrier per call, not two: the buffer has two halves and call k uses half k % 2 (`state`
-holds the parity of the calls made, the same on every rank since every rank makes the same calls). A rank can
-only reach call k + 2, the next write into the half its peers read in call k, after its call
+One barrier per call, not two (a second one would keep a rank from overwriting its buffer while
+a peer still reads it): the buffer has two halves and call k uses half k % 2 (`state` holds the
+parity of the calls made, the same on every rank, for every rank makes the same calls). A rank
+can only reach call k + 2, the next write into the half its peers read in call k, after its call
 k + 1's barrier, which needs every peer's call k + 1 to have started, which happens after the
 peer's call k ended (a stream runs its kernels one after the other). The last program to finish
 flips the parity; every program reads it before it counts itself finished, so all programs of a
-call agree on the half.
+call agree on the half. tp_all_reduce_norm.py's fused kernel shares the protocol and the state.
 
 Abort: every wait also reads an abort flag, every POLL_EVERY spins, and returns once it is set
 (the output is then garbage; the caller raises). The flag lives in pinned host memory that the
@@ -33,7 +34,8 @@ device pointer): a host thread sets it with a plain store, no CUDA call, so that
 queues behind the kernel that waits (a copy into device memory would, on the waiting stream, and
 may on another behind the device's work). The kernel reads it with a volatile load (system scope,
 past the caches), so the host's store is seen; the reads cross PCIe, hence only every POLL_EVERY
-spins, which a barrier whose peers are there never reaches.
+spins, which a barrier whose peers arrive within microseconds never reaches. A kernel that waits
+on a live peer is ended by the flag just the same (the group is dead either way).
 
 The grid is at most one program per SM (`max_programs`): program p of a rank waits for program p
 of every peer, so every program of the launch must be able to be resident at once, or a rank's
