@@ -14,8 +14,10 @@ ordering (the interpreter runs a program's threads as one, its loads and atomics
 
 from __future__ import annotations
 
+import random
 import sys
 import threading
+import time
 
 import torch
 import torch.multiprocessing as mp
@@ -35,8 +37,10 @@ CALLS = [(1, 1024, torch.bfloat16), (3, 4096, torch.float32), (5, 2048, torch.bf
 # ("norm" | "sum", rows, hidden, dtype): the fused kernel's calls among plain ones (they share the call parity);
 # rows past MAX_PROGRAMS (programs loop), hidden not a power of two (masked columns)
 FUSED_CALLS = [("norm", 3, 1024, torch.float32), ("sum", 1, 1024, torch.bfloat16), ("norm", 9, 1536, torch.float32),
-               ("norm", 5, 2048, torch.bfloat16), ("sum", 4, 1024, torch.float32), ("norm", 1, 4096, torch.float32)]
+               ("norm", 5, 2048, torch.bfloat16), ("sum", 4, 1024, torch.float32), ("norm", 1, 4096, torch.float32),
+               ("norm", 2, 1024, torch.bfloat16)]  # an odd count: the parity ends at 1
 EPS = 1e-6
+SKEW_S = 0.01  # each rank sleeps up to this before each call
 ABORT_WAIT_S = 60.0
 STILL_WAITING_S = 0.5  # how long rank 0's kernel is seen still waiting before the abort (it would wait for good)
 
@@ -57,15 +61,29 @@ def peer_buffers(rank: int, buffers: list, pads: list, flag: torch.Tensor) -> Pe
                        max_programs=MAX_PROGRAMS)
 
 
+def to_bf16_as_interpreted(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x rounded to bf16 toward zero, as the interpreter rounds (a GPU rounds to nearest even)."""
+    return (x.float().contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+
+
+def interpreted_sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    """all_reduce_reference(xs), rounded as the interpreter rounds."""
+    total = all_reduce_reference([x.float() for x in xs])
+    return to_bf16_as_interpreted(total) if xs[0].dtype == torch.bfloat16 else total
+
+
 def _rank_calls(rank: int, buffers: list, pads: list, flags: list, inputs: list, outputs: list, states) -> None:
     peers = peer_buffers(rank, buffers, pads, flags[rank])
+    skew = random.Random(rank)
     for x, out in zip(inputs, outputs):
+        time.sleep(skew.random() * SKEW_S)  # the ranks' calls overlap differently each time
         out[rank].copy_(one_shot_all_reduce(x[rank], peers))
     states[rank].copy_(peers.state)
 
 
 def check_sums(world_size: int) -> list[str]:
-    """Every rank makes CALLS in order; the problems found (none: [])."""
+    """Every rank makes CALLS in order; the problems found (none: []). The sums exact: fp32's, and bf16's as
+    the interpreter rounds them."""
     torch.manual_seed(world_size)
     buffers, pads, flags = shared_memory(world_size)
     inputs = [torch.randn(world_size, rows, hidden).to(dtype).share_memory_() for rows, hidden, dtype in CALLS]
@@ -76,17 +94,11 @@ def check_sums(world_size: int) -> list[str]:
                        start_method="fork")
     problems = []
     for (rows, hidden, dtype), x, out in zip(CALLS, inputs, outputs):
-        expected = all_reduce_reference(list(x))
+        expected = interpreted_sum(list(x))
         for rank in range(world_size):
-            if dtype == torch.float32:
-                same = torch.equal(out[rank], expected)
-            else:  # the interpreter rounds fp32 to bf16 toward zero (a GPU to nearest even): within one bf16 step
-                same = torch.allclose(out[rank].float(), expected.float(), rtol=2 ** -7, atol=0)
-            if not same:
+            if not torch.equal(out[rank], expected):
                 problems.append(f"rank {rank}, [{rows}, {hidden}] {dtype}: max error "
                                 f"{(out[rank].float() - expected.float()).abs().max().item()}")
-        if not all(torch.equal(out[0], out[rank]) for rank in range(world_size)):
-            problems.append(f"[{rows}, {hidden}] {dtype}: the ranks' sums differ")
     for rank, pad in enumerate(pads):
         if pad.any():
             problems.append(f"rank {rank}'s signal pad is not all 0 after the calls: slots {pad.nonzero().flatten()}")
@@ -97,7 +109,9 @@ def check_sums(world_size: int) -> list[str]:
 
 def _rank_fused_calls(rank: int, buffers: list, pads: list, flags: list, calls: list, states) -> None:
     peers = peer_buffers(rank, buffers, pads, flags[rank])
+    skew = random.Random(rank)
     for (kind, *_), (x, residual, weight, out, residual_out) in zip(FUSED_CALLS, calls):
+        time.sleep(skew.random() * SKEW_S)
         if kind == "sum":
             out[rank].copy_(one_shot_all_reduce(x[rank], peers))
         else:
@@ -108,9 +122,9 @@ def _rank_fused_calls(rank: int, buffers: list, pads: list, flags: list, calls: 
 
 
 def check_fused() -> list[str]:
-    """Two ranks make FUSED_CALLS in order; the problems found. fp32: the sums and the new residual exact, the
-    normed rows to fp32 rounding (the sum of squares in another order); bf16 within the interpreter's
-    rounding (toward zero, at each of the kernel's roundings)."""
+    """Two ranks make FUSED_CALLS in order; the problems found. The sums and the new residual exact (bf16 as
+    the interpreter rounds), the normed rows to fp32 rounding (the sum of squares in another order), or in
+    bf16 as fused_norm's tests allow (the interpreter's rounding differs in two more places)."""
     torch.manual_seed(7)
     buffers, pads, flags = shared_memory(2)
     calls = []
@@ -125,11 +139,13 @@ def check_fused() -> list[str]:
     problems = []
     for (kind, rows, hidden, dtype), (x, residual, weight, out, residual_out) in zip(FUSED_CALLS, calls):
         if kind == "sum":
-            pairs = [(out, all_reduce_reference(list(x)))]
+            pairs = [(out, interpreted_sum(list(x)))]
         else:
-            pairs = list(zip((out, residual_out), all_reduce_add_rmsnorm_reference(list(x), residual, weight, EPS)))
+            normed = all_reduce_add_rmsnorm_reference(list(x), residual, weight, EPS)[0]
+            summed = interpreted_sum([interpreted_sum(list(x)), residual])  # the sum rounded, then the add
+            pairs = [(out, normed), (residual_out, summed)]
         for i, (got, expected) in enumerate(pairs):
-            exact = dtype == torch.float32 and not (kind == "norm" and i == 0)
+            exact = not (kind == "norm" and i == 0)
             for rank in range(2):
                 error = rel_err(got[rank], expected)
                 if error > (0 if exact else 1e-6 if dtype == torch.float32 else 2e-2):
