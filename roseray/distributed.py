@@ -8,8 +8,8 @@ vocabulary-parallel logits. torch.distributed carries them: NCCL on GPUs, gloo o
 A process that never joins a group is rank 0 of 1: the collectives are no-ops and the layers
 are whole, so single-GPU code pays nothing. On GPUs, if ROSERAY_TP_ALL_REDUCE asks for it, the
 all-reduce of a tensor up to a few MiB (every decode step's) goes through symmetric memory instead
-of NCCL (symmetric_all_reduce.py, triton_all_reduce.py); each step's plan travels host to host over a gloo group of the
-same ranks (`broadcast(host=True)`).
+of NCCL (symmetric_all_reduce.py, triton_all_reduce.py); each step's plan travels host to host over
+a gloo group of the same ranks (`broadcast(host=True)`).
 
 A rank that dies leaves the others waiting in a collective it never joins. Over gloo the wait
 ends by itself: the dead process's sockets close and the collective raises. Over NCCL it never

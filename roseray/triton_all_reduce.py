@@ -14,7 +14,9 @@ Setup is a collective (symm_mem.empty + rendezvous), made by every rank in the s
 group start; the buffer (two halves: the kernel alternates them, see the kernel's docstring), its
 signal pad, the call-parity state and the flag stay for the group's life, so the calls are
 captured in CUDA graphs. After an abort the object is not used again (its pads are left mid-call)
-and its buffer is not freed (roseray.distributed keeps it).
+and its buffer is not freed (roseray.distributed keeps it). As with torch's kernels
+(symmetric_all_reduce.py), one tensor-parallel engine per process: a second group of the same name
+hangs in torch's rendezvous.
 """
 
 from __future__ import annotations
