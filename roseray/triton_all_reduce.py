@@ -49,14 +49,18 @@ class TritonAllReduce:
         rank, world_size = handle.rank, handle.world_size
         if not 2 <= world_size <= MAX_WORLD_SIZE:
             raise ValueError(f"the all-reduce kernel takes 2 to {MAX_WORLD_SIZE} ranks, the group has {world_size}")
-        if max_programs is None:  # one program per SM at most: every program of a launch must be resident at once
-            max_programs = torch.cuda.get_device_properties(device).multi_processor_count
-        if signal_pad_bytes(max_programs, world_size) > handle.signal_pad_size:
+        if max_programs is None:  # one program per SM at most (every program of a launch must be resident at
+            # once), and no more than the signal pad has slots for
+            max_programs = min(torch.cuda.get_device_properties(device).multi_processor_count,
+                               handle.signal_pad_size // signal_pad_bytes(1, world_size))
+        if not 0 < signal_pad_bytes(max_programs, world_size) <= handle.signal_pad_size:
             raise ValueError(f"a signal pad of {handle.signal_pad_size} bytes is too small for {max_programs} programs "
                              f"x {world_size} ranks")
         # buffer_ptrs are the bases of each rank's allocation; the buffer sits at the same offset in each,
         # for every rank made the same allocations
         offset = self.buffer.data_ptr() - handle.buffer_ptrs[rank]
+        if offset < 0:
+            raise ValueError(f"the buffer lies before its allocation's base ({offset} bytes)")
         self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.peers = PeerBuffers(
             rank=rank, world_size=world_size,
