@@ -9,7 +9,8 @@ A process that never joins a group is rank 0 of 1: the collectives are no-ops an
 are whole, so single-GPU code pays nothing. On GPUs, if ROSERAY_TP_ALL_REDUCE asks for it, the
 all-reduce of a tensor up to a few MiB (every decode step's) goes through symmetric memory instead
 of NCCL (symmetric_all_reduce.py, triton_all_reduce.py); each step's plan travels host to host over
-a gloo group of the same ranks (`broadcast(host=True)`).
+a gloo group of the same ranks (`broadcast(host=True)`). With the triton method, an all-reduce that
+a residual add and an RMSNorm follow can run fused with them (`all_reduce_add_rmsnorm`).
 
 A rank that dies leaves the others waiting in a collective it never joins. Over gloo the wait
 ends by itself: the dead process's sockets close and the collective raises. Over NCCL it never
@@ -147,6 +148,22 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
             return _SYMMETRIC(x)
         dist.all_reduce(x, group=tp.group)
     return x
+
+
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rmsnorm(sum over ranks of x + residual) * weight, that sum + residual) in one launch, where the
+    group's all-reduce fuses the residual add and RMSNorm that follow it: the triton method, on rows its
+    fused kernel takes (roseray_kernels.tp_all_reduce_norm). None everywhere else (one rank, NCCL, gloo,
+    torch's symmetric memory, tensors too large or of another layout): the caller all-reduces, then norms
+    (roseray.layers.norms.RMSNorm.all_reduce_add). Every rank decides alike, from shapes and dtypes only
+    (no host sync), so the ranks' calls stay matched."""
+    if _CURRENT.size == 1 or not isinstance(_SYMMETRIC, TritonAllReduce):
+        return None
+    _check_not_aborted()
+    if not _SYMMETRIC.takes_rows(x, residual, weight):
+        return None
+    return _SYMMETRIC.add_rmsnorm(x, residual, weight, eps)
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:

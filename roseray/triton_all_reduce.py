@@ -10,6 +10,10 @@ nothing queues it behind the kernel that waits), and a kernel waiting on the dea
 within POLL_EVERY spins, as do those queued after it (a CUDA graph's). What they computed is
 garbage, which the aborted group's step raises over (as after NCCL's abort).
 
+`add_rmsnorm` is the same all-reduce fused with the residual add and RMSNorm that follow it in a
+decoder layer (roseray_kernels.tp_all_reduce_norm; roseray.distributed.all_reduce_add_rmsnorm): it
+shares the buffer, the signal pad and the call parity, so its calls and the plain ones interleave.
+
 Setup is a collective (symm_mem.empty + rendezvous), made by every rank in the same order at
 group start; the buffer (two halves: the kernel alternates them, see the kernel's docstring), its
 signal pad, the call-parity state and the flag stay for the group's life, so the calls are
@@ -27,6 +31,7 @@ import torch
 import torch.distributed._symmetric_memory as symm_mem
 
 from roseray_kernels.tp_all_reduce import PeerBuffers, one_shot_all_reduce, signal_pad_bytes, takes
+from roseray_kernels.tp_all_reduce_norm import all_reduce_add_rmsnorm, takes_rows
 
 BUFFER_BYTES = 8 << 20  # the largest tensor taken: a decode batch of 1024 tokens x 4096 hidden in bf16
 MAX_WORLD_SIZE = 8
@@ -74,6 +79,15 @@ class TritonAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return one_shot_all_reduce(x, self.peers)
+
+    def takes_rows(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        return takes_rows(x, residual, weight, self.peers)
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(sum over ranks of x + residual) * weight, that sum + residual): the all-reduce, the
+        residual add and the RMSNorm after it in one launch (rows that `takes_rows`)."""
+        return all_reduce_add_rmsnorm(x, residual, weight, eps, self.peers)
 
     def abort(self) -> None:
         """From any thread: a kernel of this all-reduce that waits now returns, and so does every later
