@@ -124,10 +124,12 @@ def test_a_shutdown_after_a_rank_died_sets_the_flag_and_keeps_the_buffer(monkeyp
     assert reduce.aborted and abandoned == [reduce] and distributed._SYMMETRIC is None
 
 
-def run_interpreted(*args: str) -> subprocess.CompletedProcess:
+def run_interpreted(*args: str,
+                    module: str = "tests.distributed.interpreted_all_reduce") -> subprocess.CompletedProcess:
+    """`python -m module *args` under Triton's interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / ".pkgs"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "tests.distributed.interpreted_all_reduce", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=INTERPRETED_TIMEOUT_S)
 
 
