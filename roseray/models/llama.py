@@ -11,8 +11,9 @@ on CPU the same layers run their torch code.
 
 Under tensor parallelism a block's row-parallel output (o_proj, down_proj, an MoE block's
 experts) is this rank's partial sums; the decoder layer has the attention and the MLP return
-them unreduced (`reduce=False`) and the add+RMSNorm that follows (the next layer's input norm,
-the final norm after the last layer) takes the all-reduce (RMSNorm.all_reduce_add): one launch
+them unreduced (`reduce=False`) and the add+RMSNorm that follows (the post-attention norm; after
+the MLP, the next layer's input norm or the final norm) takes the all-reduce
+(RMSNorm.all_reduce_add): one launch
 with the triton all-reduce method, the all-reduce then the add+norm elsewhere. Other decoders
 that use the attention or MLP (Gemma's post-norms) keep the default `reduce=True`.
 """
