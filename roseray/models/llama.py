@@ -13,9 +13,9 @@ Under tensor parallelism a block's row-parallel output (o_proj, down_proj, an Mo
 experts) is this rank's partial sums; the decoder layer has the attention and the MLP return
 them unreduced (`reduce=False`) and the add+RMSNorm that follows (the post-attention norm; after
 the MLP, the next layer's input norm or the final norm) takes the all-reduce
-(RMSNorm.all_reduce_add): one launch
-with the triton all-reduce method, the all-reduce then the add+norm elsewhere. Other decoders
-that use the attention or MLP (Gemma's post-norms) keep the default `reduce=True`.
+(RMSNorm.all_reduce_add): one launch with the triton all-reduce method, the all-reduce then the
+add+norm elsewhere. Other decoders that use the attention or MLP (Gemma's post-norms) keep the
+default `reduce=True`.
 """
 
 from __future__ import annotations
