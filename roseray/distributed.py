@@ -8,16 +8,20 @@ vocabulary-parallel logits. torch.distributed carries them: NCCL on GPUs, gloo o
 A process that never joins a group is rank 0 of 1: the collectives are no-ops and the layers
 are whole, so single-GPU code pays nothing. On GPUs, if ROSERAY_TP_ALL_REDUCE asks for it, the
 all-reduce of a tensor up to a few MiB (every decode step's) goes through symmetric memory instead
-of NCCL (symmetric_all_reduce.py); each step's plan travels host to host over a gloo group of the
-same ranks (`broadcast(host=True)`).
+of NCCL (symmetric_all_reduce.py, triton_all_reduce.py); each step's plan travels host to host over
+a gloo group of the same ranks (`broadcast(host=True)`). With the triton method, an all-reduce that
+a residual add and an RMSNorm follow can run fused with them (`all_reduce_add_rmsnorm`).
 
 A rank that dies leaves the others waiting in a collective it never joins. Over gloo the wait
 ends by itself: the dead process's sockets close and the collective raises. Over NCCL it never
 ends; rank 0's watchdog (roseray.engine.rank_watchdog) calls `abort_tensor_parallel` from its own
 thread, which aborts the communicator (the blocked kernels quit) and fails every later collective.
-A symmetric-memory all-reduce (opt-in) that a dead rank never joins is not ended by that abort:
-its kernel waits on the peer's signal until the process goes (the health check fails; Serve
-replaces it), and its buffer is then never freed (freeing would wait for that kernel).
+The abort also sets the abort flag of roseray's own symmetric-memory all-reduce (opt-in,
+ROSERAY_TP_ALL_REDUCE=triton), whose kernel then stops waiting. torch's symmetric-memory
+all-reduce (opt-in, symmetric / one_shot / two_shot) that a dead rank never joins is not ended by
+it: its kernel waits on the peer's signal until the process goes (the health check fails; Serve
+replaces it). Either way the buffer is never freed after an abort (freeing would wait for that
+kernel, or on the dead rank).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.distributed as dist
 
 from roseray import envs
 from roseray.symmetric_all_reduce import SymmetricAllReduce, symmetric_all_reduce
+from roseray.triton_all_reduce import TritonAllReduce
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,8 @@ COLLECTIVE_TIMEOUT = timedelta(days=365)
 _CURRENT = TensorParallel()
 _TEARDOWN = threading.Lock()  # an abort (the watchdog's thread) and a shutdown (the engine's) one at a time
 _aborted = False  # the group was aborted: every collective from now on raises
-_SYMMETRIC: SymmetricAllReduce | None = None
-_ABANDONED: list[SymmetricAllReduce] = []  # after an abort: a kernel may wait on it for good
+_SYMMETRIC: SymmetricAllReduce | TritonAllReduce | None = None
+_ABANDONED: list[SymmetricAllReduce | TritonAllReduce] = []  # after an abort: a kernel may wait on it for good
 
 
 def tensor_parallel() -> TensorParallel:
@@ -98,6 +103,7 @@ def shutdown_tensor_parallel(abort: bool = False) -> None:
     (a rank is gone): NCCL aborts the communicator instead of a teardown that would wait for it."""
     global _CURRENT, _SYMMETRIC
     if abort and _SYMMETRIC is not None:
+        _SYMMETRIC.abort()  # a kernel of it that still waits on the gone rank stops (if it can)
         _ABANDONED.append(_SYMMETRIC)
     _SYMMETRIC = None  # its buffer is freed before the group goes (unless abandoned)
     with _TEARDOWN:  # after an abort in progress (NCCL's waits for the CUDA graphs, released before this)
@@ -111,7 +117,8 @@ def shutdown_tensor_parallel(abort: bool = False) -> None:
 
 def abort_tensor_parallel(tp: TensorParallel) -> None:
     """From any thread, when a rank of `tp` (what init_tensor_parallel returned) has died: every
-    collective from now on raises, and NCCL's communicator is aborted, so that a collective this
+    collective from now on raises, the symmetric-memory all-reduce's kernels stop waiting (where
+    they can: the triton method's), and NCCL's communicator is aborted, so that a collective this
     rank waits in ends (its kernels quit; NCCL allows the abort beside a blocked caller). Gloo's
     group is left alone: its transport already fails a collective whose peer exited, and it is not
     safe to destroy beside a collective. Nothing if this process has left `tp` meanwhile."""
@@ -120,6 +127,8 @@ def abort_tensor_parallel(tp: TensorParallel) -> None:
         if _CURRENT is not tp or tp.size == 1 or not dist.is_initialized():
             return
         _aborted = True
+        if _SYMMETRIC is not None:  # first: a kernel of it may hold up what follows on this rank's device
+            _SYMMETRIC.abort()
         if tp.backend == "nccl":
             dist.distributed_c10d._abort_process_group()
 
@@ -139,6 +148,22 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
             return _SYMMETRIC(x)
         dist.all_reduce(x, group=tp.group)
     return x
+
+
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rmsnorm(sum over ranks of x + residual) * weight, that sum + residual) in one launch, where the
+    group's all-reduce fuses the residual add and RMSNorm that follow it: the triton method, on rows its
+    fused kernel takes (roseray_kernels.tp_all_reduce_norm). None everywhere else (one rank, NCCL, gloo,
+    torch's symmetric memory, tensors too large or of another layout): the caller all-reduces, then norms
+    (roseray.layers.norms.RMSNorm.all_reduce_add). Every rank decides alike, from shapes and dtypes only
+    (no host sync), so the ranks' calls stay matched."""
+    if _CURRENT.size == 1 or not isinstance(_SYMMETRIC, TritonAllReduce):
+        return None
+    _check_not_aborted()
+    if not _SYMMETRIC.takes_rows(x, residual, weight):
+        return None
+    return _SYMMETRIC.add_rmsnorm(x, residual, weight, eps)
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:

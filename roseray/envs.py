@@ -22,8 +22,9 @@ HAPROXY_SPLICE_ENV = "ROSERAY_HAPROXY_SPLICE"
 HAPROXY_REUSE_ENV = "ROSERAY_HAPROXY_REUSE"
 # Ray's: Router replicas Ray runs on each proxy node (read by Ray's controller at `ray start`)
 ROUTER_REPLICAS_ENV = "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"
-# tensor-parallel all-reduce on GPUs: "nccl" (default), or symmetric memory up to its buffer: "symmetric"
-# (one-shot or two-shot by size), "one_shot", "two_shot" (faster, but a dead rank hangs the replica)
+# tensor-parallel all-reduce on GPUs: "nccl" (default), or symmetric memory up to its buffer: torch's kernels,
+# "symmetric" (one-shot or two-shot by size), "one_shot", "two_shot" (faster, but a dead rank hangs the
+# replica), or roseray's own one-shot kernel, "triton" (ended by the abort when a rank dies)
 TP_ALL_REDUCE_ENV = "ROSERAY_TP_ALL_REDUCE"
 # CUDA's: the GPUs this process may use ("" or "-1": none)
 CUDA_VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"

@@ -17,7 +17,8 @@ Both are CUDA-graph capturable (the graphs capture the kernels; the buffer and s
 allocated for the group's life). Tensors larger than the buffer, or of a dtype the kernels do not
 take (they take float32 and bfloat16), go through NCCL. `ROSERAY_TP_ALL_REDUCE` (envs.py) picks
 the method: nccl (the default: nothing here is used), symmetric (one-shot up to
-ONE_SHOT_MAX_BYTES, then two-shot up to the buffer), one_shot or two_shot.
+ONE_SHOT_MAX_BYTES, then two-shot up to the buffer), one_shot, two_shot, or triton (roseray's own
+one-shot kernel, which an abort ends: triton_all_reduce.py).
 
 Why it is not the default: torch's kernels wait on a peer's signal with no way out. A rank that
 dies while the others are inside one leaves their GPUs spinning in it for good (an NCCL abort
@@ -39,12 +40,13 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
 from roseray.envs import TP_ALL_REDUCE_ENV
+from roseray.triton_all_reduce import TritonAllReduce
 
 logger = logging.getLogger(__name__)
 
 BUFFER_BYTES = 8 << 20  # a decode batch of 1024 tokens x 4096 hidden in bf16
 ONE_SHOT_MAX_BYTES = 512 << 10
-METHODS = ("nccl", "symmetric", "one_shot", "two_shot")
+METHODS = ("nccl", "symmetric", "one_shot", "two_shot", "triton")
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -76,15 +78,21 @@ class SymmetricAllReduce:
         staging.copy_(x)
         return self.ops.two_shot_all_reduce_out(staging, "sum", self.group_name, out)
 
+    def abort(self) -> None:
+        """Nothing: torch's kernels cannot be made to stop waiting (see the module's docstring)."""
 
-def symmetric_all_reduce(group, device: torch.device, method: str) -> SymmetricAllReduce | None:
-    """The group's symmetric all-reduce, or None (NCCL for everything) when `method` is nccl or
-    the platform cannot (no symmetric memory, no peer access): logged, never fatal."""
+
+def symmetric_all_reduce(group, device: torch.device, method: str) -> SymmetricAllReduce | TritonAllReduce | None:
+    """The group's symmetric-memory all-reduce for `method` (triton: TritonAllReduce), or None (NCCL
+    for everything) when `method` is nccl or the platform cannot (no symmetric memory, no peer
+    access): logged, never fatal."""
     if method not in METHODS:
         raise ValueError(f"{TP_ALL_REDUCE_ENV} must be one of {', '.join(METHODS)}, got {method!r}")
     if method == "nccl" or device.type != "cuda" or dist.get_backend(group) != "nccl":
         return None
     try:
+        if method == "triton":
+            return TritonAllReduce(group, device)
         return SymmetricAllReduce(group, device, method)
     except Exception as error:  # e.g. GPUs without peer access, a torch without the kernels
         logger.warning("tensor parallel: symmetric-memory all-reduce unavailable (%s); NCCL for every all-reduce",

@@ -4,6 +4,10 @@ LayerNorm (GPT-2), each with the residual add of the decoder layer fused in
 
 On CUDA one Triton kernel does the add and the norm; elsewhere the torch code below does,
 op by op as Hugging Face does (it is also the kernel's test oracle).
+
+Under tensor parallelism the add+RMSNorm after a row-parallel block can take the block's
+all-reduce too (`RMSNorm.all_reduce_add`): one launch with the triton all-reduce method, else the
+all-reduce and then the add+norm above, the very ops of an all-reduce in the block.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from roseray.distributed import all_reduce, all_reduce_add_rmsnorm
 from roseray.layers import fused
 
 
@@ -35,6 +40,16 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def all_reduce_add(self, partial: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward(all_reduce(partial), residual)`, for the norm after a row-parallel block whose output
+        is still this rank's partial sums: one launch where the group's all-reduce fuses the add and the
+        norm (roseray.distributed.all_reduce_add_rmsnorm), else exactly those two steps (on one rank the
+        all-reduce is nothing: forward(partial, residual))."""
+        fused_result = all_reduce_add_rmsnorm(partial, residual, self.weight, self.eps)
+        if fused_result is not None:
+            return fused_result
+        return self.forward(all_reduce(partial), residual)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype

@@ -15,7 +15,8 @@ at load, one expert at a time on the load device, into the model's dtype.
 
 Under tensor parallelism each rank keeps the sinks of its own query heads, its slice of every
 expert (after MXFP4 dequantization: roseray.layers.moe.FusedMoE) and the whole router (with its
-bias); the MoE block's output is all-reduced once.
+bias); the MoE block's output is all-reduced once, by the add+RMSNorm after it (llama.py's decoder
+layer asks for partial sums).
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ class GptOssMoE(nn.Module):
                                 renormalize=moe.renormalize, activation=activation, bias=True,
                                 tp=tensor_parallel())  # fmt: skip
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.experts(hidden, self.router(hidden)))
+    def forward(self, hidden: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial sums, for the caller to all-reduce (RMSNorm.all_reduce_add)."""
+        out = self.experts(hidden, self.router(hidden))
+        return all_reduce(out) if reduce else out
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

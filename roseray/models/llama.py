@@ -8,6 +8,14 @@ fused projections.
 On CUDA a layer runs two fused add+RMSNorm kernels, one kernel for q/k norm + RoPE and one
 for SiLU-and-mul around its matmuls and attention (roseray_kernels, via roseray.layers);
 on CPU the same layers run their torch code.
+
+Under tensor parallelism a block's row-parallel output (o_proj, down_proj, an MoE block's
+experts) is this rank's partial sums; the decoder layer has the attention and the MLP return
+them unreduced (`reduce=False`) and the add+RMSNorm that follows (the post-attention norm; after
+the MLP, the next layer's input norm or the final norm) takes the all-reduce
+(RMSNorm.all_reduce_add): one launch with the triton all-reduce method, the all-reduce then the
+add+norm elsewhere. Other decoders that use the attention or MLP (Gemma's post-norms) keep the
+default `reduce=True`.
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ class LlamaAttention(nn.Module):
     """q|k|v projection, optional per-head q/k RMSNorm, RoPE, paged attention (the layer's
     window, the model's logit softcap and sinks), output projection. `scale` defaults to
     head_dim ** -0.5. Under tensor parallelism a rank holds its share of the heads (roseray.
-    layers.tensor_parallel) and the output projection's partial sums are all-reduced."""
+    layers.tensor_parallel) and the output projection's partial sums are all-reduced (or, with
+    `reduce=False`, returned for the caller's norm to reduce)."""
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int,
                  scale: float | None = None) -> None:
@@ -75,14 +84,15 @@ class LlamaAttention(nn.Module):
                               scale=self.head_dim**-0.5 if scale is None else scale, sliding_window=window,
                               softcap=config.attn_logit_softcap, has_sinks=config.attention_sinks)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         q, k = self.rotary_emb.rotate_qk(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v)
-        return all_reduce(self.o_proj(out))
+        out = self.o_proj(out)
+        return all_reduce(out) if reduce else out
 
 
 class LlamaMLP(nn.Module):
@@ -95,17 +105,21 @@ class LlamaMLP(nn.Module):
                                            what="intermediate size")
         self.act = GatedActivation(config.hidden_act)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(self.act(self.gate_up_proj(hidden))))
+    def forward(self, hidden: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial sums, for the caller to all-reduce (RMSNorm.all_reduce_add)."""
+        out = self.down_proj(self.act(self.gate_up_proj(hidden)))
+        return all_reduce(out) if reduce else out
 
 
-# (config, layer index) -> that decoder layer's MLP: [num_tokens, hidden] -> [num_tokens, hidden]
+# (config, layer index) -> that decoder layer's MLP: forward(hidden [num_tokens, hidden], reduce) ->
+# [num_tokens, hidden], all-reduced across the tensor-parallel ranks unless reduce=False
 MLPFactory = Callable[[ModelConfig, int], nn.Module]
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. The residual stream travels beside the hidden states: each norm adds
-    the previous sub-block's output to it and normalises the sum in one step."""
+    the previous sub-block's output to it and normalises the sum in one step, and under tensor
+    parallelism takes that output's all-reduce too (the sub-blocks return partial sums)."""
 
     def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, layer_index: int, mlp: nn.Module) -> None:
         super().__init__()
@@ -117,15 +131,16 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the previous layer's MLP output (the embeddings for the first layer, with no
-        residual yet) -> (this layer's MLP output, the residual stream before it)."""
+        """hidden: the previous layer's MLP output, this rank's partial sums (the embeddings,
+        whole, for the first layer, with no residual yet) -> (this layer's MLP output, partial
+        sums, and the residual stream before it)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm.all_reduce_add(hidden, residual)
+        hidden = self.self_attn(positions, hidden, reduce=False)
+        hidden, residual = self.post_attention_layernorm.all_reduce_add(hidden, residual)
+        return self.mlp(hidden, reduce=False), residual
 
 
 def make_embedding(config: ModelConfig) -> nn.Module:
@@ -153,8 +168,8 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+            hidden, residual = layer(positions, hidden, residual)  # the MLP's partial sums
+        return self.norm(hidden) if residual is None else self.norm.all_reduce_add(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

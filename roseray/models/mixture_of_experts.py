@@ -17,7 +17,8 @@ transformers writes them with save_original_format=False, stacked per layer:
 per-expert `weight_scale` / `weight_scale_inv` load into FusedMoE's fp8 scales the same way.
 
 Under tensor parallelism the router is replicated, each rank holds its slice of every expert's
-intermediate dimension (FusedMoE) and the block's output is all-reduced once, as the dense MLP's.
+intermediate dimension (FusedMoE) and the block's output is all-reduced once, as the dense MLP's
+(by the next add+RMSNorm, when the decoder layer asks for partial sums: roseray.models.llama).
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ class SparseMoEBlock(nn.Module):
                                 renormalize=moe.renormalize, activation=ExpertActivation(config.hidden_act),
                                 tp=tensor_parallel())
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.experts(hidden, self.gate(hidden)))  # router logits [num_tokens, num_experts]
+    def forward(self, hidden: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial sums, for the caller to all-reduce (RMSNorm.all_reduce_add)."""
+        out = self.experts(hidden, self.gate(hidden))  # router logits [num_tokens, num_experts]
+        return all_reduce(out) if reduce else out
 
 
 def is_sparse_layer(config: ModelConfig, layer_index: int) -> bool:

@@ -6,7 +6,8 @@ the rank and its exit code, and nothing of the engine is left running. The worke
 no progress, and on CPU (gloo, engine thread) it waits inside roseray.distributed.
 
 CPU: gloo. GPU (two CUDA devices, NCCL, CUDA graphs capturing the all-reduces): the same test,
-marked gpu; run it on a 2-GPU host."""
+marked gpu, with the all-reduces through NCCL and through roseray's abortable symmetric-memory kernel
+(ROSERAY_TP_ALL_REDUCE=triton); run it on a 2-GPU host."""
 
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ import psutil
 import pytest
 import torch
 
-from roseray import distributed
+from roseray import distributed, envs
 from roseray.config import EngineConfig
 from roseray.engine.engine import LLMEngine
 from roseray.runtime.async_engine import AsyncLLMEngine, LoopState
 from roseray.runtime.in_process_client import InProcessEngineClient
 from roseray.sampling_params import SamplingParams
+from roseray.triton_all_reduce import TritonAllReduce
 from tests.distributed.test_tensor_parallel_health import end_of, spawned_children
 from tests.waiting import async_wait_until, wait_until
 
@@ -88,6 +90,8 @@ def run_kill_mid_step(transport: str, device: str, **overrides) -> None:
     if tp.llm is not None:  # the group's collectives wait as long as the engine idles (not NCCL's 10 min)
         backend = distributed.tensor_parallel().group._get_backend(torch.device(device))
         assert backend.options._timeout == distributed.COLLECTIVE_TIMEOUT
+        if envs.tp_all_reduce() == "triton":  # not NCCL after all (that is logged, not raised)
+            assert isinstance(distributed._SYMMETRIC, TritonAllReduce), distributed._SYMMETRIC
     try:
         async def main():
             engine.start()
@@ -138,7 +142,10 @@ def test_a_worker_killed_while_rank_0_waits_in_a_collective_ends_the_stream_and_
 
 @pytest.mark.gpu
 @two_gpus
-@pytest.mark.timeout(300)  # without the watchdog's abort rank 0 spins in NCCL: the test fails, not the run
+@pytest.mark.timeout(300)  # without the watchdog's abort rank 0 spins in a collective: the test fails, not the run
+@pytest.mark.parametrize("all_reduce", ["nccl", "triton"])
 @pytest.mark.parametrize("transport", ["thread", "process"])
-def test_on_two_gpus_a_worker_killed_mid_step_ends_the_stream_and_fails_the_engine(transport):
+def test_on_two_gpus_a_worker_killed_mid_step_ends_the_stream_and_fails_the_engine(transport, all_reduce,
+                                                                                   monkeypatch):
+    monkeypatch.setenv(envs.TP_ALL_REDUCE_ENV, all_reduce)  # read by every rank as it joins the group
     run_kill_mid_step(transport, "cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=64)
