@@ -3,16 +3,27 @@
 A constrained request waits here (not in the scheduler) while its grammar compiles on the
 compiler's thread, so the engine keeps stepping; `take_compiled` hands over the ready ones
 with their matcher attached (`Request.grammar`). Per step, `mask` fills the bitmask of the
-constrained rows it samples; per processed token, `advance` moves the request's matcher and
-turns the grammar's end into a stop ("stop") and a refused token into an error.
+constrained rows it samples; `accept_step` gives the matchers a processed step's tokens, and
+per token `advance` turns the grammar's end into a stop ("stop") and a refused token into an
+error.
+
+The matchers' work runs on one grammar thread, in order: xgrammar's batch accept and batch
+fill release the GIL, so the engine's thread meanwhile does its own Python work (the step's
+text and stop checks while the tokens are accepted; scheduling and preparing the next step
+while a mask is filled). The engine joins a task where it needs its result: `settle` before
+it reads the verdicts, `PendingMask.result` just before it samples through the mask. Only
+that thread calls into a matcher once a request is scheduled; the engine's thread touches a
+grammar's flags only when no task is running (`accept_step` waits for the one before), and
+dropping a finished request's grammar (`release`) leaves the task's own reference alive.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +40,29 @@ from roseray.engine.structured_output import (
 logger = logging.getLogger(__name__)
 
 COMPILE_WAIT_S = 0.05  # an engine with nothing but grammars compiling waits this long for one, per step
+GRAMMAR_THREAD = "grammar-matcher"  # the name (prefix) of the thread the matchers run on
+
+
+@dataclass(slots=True)
+class PendingAccept:
+    """A step's tokens being taken by its active grammars on the grammar thread."""
+
+    future: Future
+    grammars: list[RequestGrammar]
+
+
+@dataclass(slots=True)
+class PendingMask:
+    """A step's grammar mask being filled on the grammar thread, for these sampling rows."""
+
+    future: Future  # of the filled pinned host rows
+    bitmask: GrammarBitmask
+    rows: list[int]
+
+    def result(self) -> tuple[torch.Tensor, list[int]]:
+        """(bitmask [R, words] on the device, its R rows): waits for the fill (raising its error)
+        and queues the copy on this thread."""
+        return self.bitmask.to_device(self.future.result()), self.rows
 
 
 class StructuredOutputManager:
@@ -43,6 +77,9 @@ class StructuredOutputManager:
                                       tokenizer.encode(end, add_special_tokens=False))
         self._compiling: dict[str, tuple[Request, Future]] = {}
         self.num_requests = 0  # live constrained requests, compiled or not
+        # the one thread that runs the matchers (any Executor that runs tasks in order will do)
+        self.executor: Executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=GRAMMAR_THREAD)
+        self._last_task: Future | None = None
 
     @property
     def num_compiling(self) -> int:
@@ -83,20 +120,24 @@ class StructuredOutputManager:
             ready.append(req)
         return ready, failed
 
-    def mask(self, sampling: list[Request]) -> tuple[torch.Tensor, list[int]] | None:
-        """The step's grammar mask: (bitmask [R, words] on the device, the R sampling rows it is for);
-        None when no row is constrained any more (a finished request has no grammar)."""
+    def mask(self, sampling: list[Request]) -> PendingMask | None:
+        """The step's grammar mask, being filled on the grammar thread for the constrained rows
+        it samples (after the tokens of the steps before, which that thread took first); None when
+        no row is constrained any more (a finished request has no grammar)."""
         rows = [i for i, req in enumerate(sampling) if req.grammar is not None]
         if not rows:
             return None
-        return self.bitmask.fill([sampling[i].grammar for i in rows]), rows
+        future = self._submit(self.bitmask.fill_host, [sampling[i].grammar for i in rows])
+        return PendingMask(future, self.bitmask, rows)
 
-    @staticmethod
-    def accept_step(sampling: list[Request], token_ids: list[int], output_index: list[int]) -> None:
+    def accept_step(self, sampling: list[Request], token_ids: list[int],
+                    output_index: list[int]) -> PendingAccept | None:
         """A processed step's tokens to the grammars of its live requests, before the engine's
-        per-token loop (whose `advance` reads the outcome): the active ones take theirs in one
-        batch; an inactive one (reasoning first) looks for the end marker, which the token at
-        output_index[i] ends the output with."""
+        per-token loop (`settle`, then `advance`, read the outcome): the active ones take theirs
+        in one batch on the grammar thread; an inactive one (reasoning first) looks here for the
+        end marker, which the token at output_index[i] ends the output with."""
+        if self._last_task is not None:  # the flags written below are the last task's to read
+            wait_futures([self._last_task])
         grammars, tokens = [], []
         for req, token, index in zip(sampling, token_ids, output_index):
             grammar = req.grammar
@@ -108,7 +149,28 @@ class StructuredOutputManager:
             else:
                 tail = req.output_token_ids[max(0, index + 1 - len(grammar.end_marker)):index] + [token]
                 grammar.accept(token, tail, len(tail))
-        accept_batch(grammars, tokens)
+        if not grammars:
+            return None
+        return PendingAccept(self._submit(accept_batch, grammars, tokens), grammars)
+
+    @staticmethod
+    def settle(accepting: PendingAccept | None | int) -> None:
+        """Wait until the step's grammars took its tokens. If the grammar engine failed, it is
+        logged here and the step's constrained requests end with an error (`advance`); the
+        engine goes on."""
+        if not accepting:  # (None, or 0 from an engine with no constrained request)
+            return
+        try:
+            accepting.future.result()
+        except Exception:  # noqa: BLE001 - whatever xgrammar raised ends these requests, not the engine
+            logger.exception("the grammar engine failed on a step's tokens; its %d constrained requests fail",
+                             len(accepting.grammars))
+            for grammar in accepting.grammars:
+                grammar.failed = True
+
+    def _submit(self, fn, *args) -> Future:
+        self._last_task = self.executor.submit(fn, *args)
+        return self._last_task
 
     @staticmethod
     def advance(req: Request, status: RequestStatus | None) -> RequestStatus | None:
@@ -136,3 +198,4 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         self.compiler.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
