@@ -281,7 +281,7 @@ class LLMEngine:
     def _sample(self, forward: LaunchedStep, deltas: list[RequestDelta]) -> LaunchedStep | None:
         """Sample the forward's logits on the device, through its grammar mask if it has one."""
         sampling, mask = forward.sampling, forward.grammar_mask
-        try:  # (the mask's fill joined here: its error fails the step like the sampler's)
+        try:  # (the mask's fill is joined here)
             forward.sample = self.sampler.launch(forward.logits, sampling,
                                                  all_plain_greedy=self._num_not_plain_greedy == 0,
                                                  argmax=forward.argmax, grammar_mask=mask and mask.result())

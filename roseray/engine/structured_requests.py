@@ -58,11 +58,22 @@ class PendingMask:
     future: Future  # of the filled pinned host rows
     bitmask: GrammarBitmask
     rows: list[int]
+    grammars: list[RequestGrammar]  # the rows'
 
-    def result(self) -> tuple[torch.Tensor, list[int]]:
-        """(bitmask [R, words] on the device, its R rows): waits for the fill (raising its error)
-        and queues the copy on this thread."""
-        return self.bitmask.to_device(self.future.result()), self.rows
+    def result(self) -> tuple[torch.Tensor, list[int]] | None:
+        """(bitmask [R, words] on the device, its R rows): waits for the fill and queues the copy
+        on this thread. If the grammar engine failed, it is logged here, the rows sample
+        unconstrained (None) and their requests end with an error when the token is processed
+        (`advance`): the step and the engine go on."""
+        try:
+            host = self.future.result()
+        except Exception:  # noqa: BLE001 - whatever xgrammar raised ends these requests, not the engine
+            logger.exception("the grammar engine failed to fill a step's mask; its %d constrained requests fail",
+                             len(self.grammars))
+            for grammar in self.grammars:
+                grammar.failed = True
+            return None
+        return self.bitmask.to_device(host), self.rows
 
 
 class StructuredOutputManager:
@@ -127,8 +138,8 @@ class StructuredOutputManager:
         rows = [i for i, req in enumerate(sampling) if req.grammar is not None]
         if not rows:
             return None
-        future = self._submit(self.bitmask.fill_host, [sampling[i].grammar for i in rows])
-        return PendingMask(future, self.bitmask, rows)
+        grammars = [sampling[i].grammar for i in rows]
+        return PendingMask(self._submit(self.bitmask.fill_host, grammars), self.bitmask, rows, grammars)
 
     def accept_step(self, sampling: list[Request], token_ids: list[int],
                     output_index: list[int]) -> PendingAccept | None:
@@ -141,8 +152,8 @@ class StructuredOutputManager:
         grammars, tokens = [], []
         for req, token, index in zip(sampling, token_ids, output_index):
             grammar = req.grammar
-            if grammar is None or req.status >= RequestStatus.FINISHED_STOPPED:
-                continue
+            if grammar is None or grammar.failed or req.status >= RequestStatus.FINISHED_STOPPED:
+                continue  # (failed: its mask's fill did, and the request ends with this token)
             if grammar.active:
                 grammars.append(grammar)
                 tokens.append(token)
