@@ -302,10 +302,10 @@ class LLMEngine:
         accepting = self.structured.num_requests and self.structured.accept_step(step.sampling, sampled.token_ids,
                                                                                   step.output_index)
         now, logprobs = time.monotonic(), sampled.logprobs
-        max_model_len = self.max_model_len
+        max_model_len, finished_stopped = self.max_model_len, RequestStatus.FINISHED_STOPPED
         rows = []  # (request, token, new text, new logprobs, the engine's stop decision, its length now)
         for i, (req, token, index) in enumerate(zip(step.sampling, sampled.token_ids, step.output_index)):
-            if req.status >= RequestStatus.FINISHED_STOPPED:
+            if req.status >= finished_stopped:
                 continue  # aborted or stopped while this step ran: its token is dropped
             req.num_pending -= 1
             req.output_token_ids[index] = token
