@@ -214,8 +214,8 @@ class LLMEngine:
         launched = None
         if forward is not None and not forward.constrained:
             launched = self._sample(forward, deltas)
-        if in_flight is not None:
-            deltas += self._process(in_flight)
+        if in_flight is not None:  # (the grammar thread fills the forward's mask right behind the accept)
+            deltas += self._process(in_flight, forward.sampling if forward is not None else None)
         if forward is not None and forward.constrained and (forward.chunks or
                                                             not all(r.is_finished for r in forward.sampling)):
             # Its grammars needed the tokens just processed: the mask is filled on the grammar thread
@@ -294,13 +294,13 @@ class LLMEngine:
                     self.sampler.release(req)  # the generator the sampler made for it again
         return forward
 
-    def _process(self, step: LaunchedStep) -> list[RequestDelta]:
+    def _process(self, step: LaunchedStep, next_sampling: list[Request] | None = None) -> list[RequestDelta]:
         """A launched step's sampled tokens to request updates and deltas (the host's per-token hot
         loop: attribute reads and list writes). While the grammars take the tokens on their thread,
         a first pass does what needs no verdict of theirs; a second settles each row with them."""
         sampled = step.sample.result()
-        accepting = self.structured.num_requests and self.structured.accept_step(step.sampling, sampled.token_ids,
-                                                                                  step.output_index)
+        accepting = self.structured.num_requests and self.structured.accept_step(
+            step.sampling, sampled.token_ids, step.output_index, next_sampling)
         now, logprobs = time.monotonic(), sampled.logprobs
         max_model_len, finished_stopped = self.max_model_len, RequestStatus.FINISHED_STOPPED
         rows = []  # (request, token, new text, new logprobs, the engine's stop decision, its length now)

@@ -8,10 +8,11 @@ per token `advance` turns the grammar's end into a stop ("stop") and a refused t
 error.
 
 The matchers' work runs on one grammar thread, in order: xgrammar's batch accept and batch
-fill release the GIL, so the engine's thread meanwhile does its own Python work (the step's
-text and stop checks while the tokens are accepted; scheduling and preparing the next step
-while a mask is filled). The engine joins a task where it needs its result: `settle` before
-it reads the verdicts, `PendingMask.result` just before it samples through the mask. Only
+fill release the GIL, so the engine's thread meanwhile does its own Python work: the step's
+text and stop checks while the tokens are accepted, then, while the next step's mask is
+filled right behind the accept, settling the step and scheduling and preparing the one after.
+The engine joins a task where it needs its result: `settle` before it reads the verdicts,
+`PendingMask.result` just before it samples through the mask. Only
 that thread calls into a matcher once a request is scheduled; the engine's thread touches a
 grammar's flags only when no task is running (`accept_step` waits for the one before), and
 dropping a finished request's grammar (`release`) leaves the task's own reference alive.
@@ -20,6 +21,7 @@ dropping a finished request's grammar (`release`) leaves the task's own referenc
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -59,6 +61,7 @@ class PendingMask:
     bitmask: GrammarBitmask
     rows: list[int]
     grammars: list[RequestGrammar]  # the rows'
+    opened: list[int]  # mask rows whose request finished after the fill: all tokens allowed, as for no mask
 
     def result(self) -> tuple[torch.Tensor, list[int]] | None:
         """(bitmask [R, words] on the device, its R rows): waits for the fill and queues the copy
@@ -73,7 +76,25 @@ class PendingMask:
             for grammar in self.grammars:
                 grammar.failed = True
             return None
+        for j in self.opened:
+            host[j].fill_(-1)
         return self.bitmask.to_device(host), self.rows
+
+
+@dataclass(slots=True)
+class _EarlyFill:
+    """A mask filled right behind a step's accept, for the sampling rows of the step after it
+    that were constrained then (`mask` keeps those still constrained once the step is settled)."""
+
+    sampling: list[Request]
+    rows: list[int]
+    grammars: list[RequestGrammar]
+    future: Future
+
+
+def _started(started: threading.Event, fn, *args):
+    started.set()
+    return fn(*args)
 
 
 class StructuredOutputManager:
@@ -91,6 +112,7 @@ class StructuredOutputManager:
         # the one thread that runs the matchers (any Executor that runs tasks in order will do)
         self.executor: Executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=GRAMMAR_THREAD)
         self._last_task: Future | None = None
+        self._early_fill: _EarlyFill | None = None
 
     @property
     def num_compiling(self) -> int:
@@ -134,19 +156,28 @@ class StructuredOutputManager:
     def mask(self, sampling: list[Request]) -> PendingMask | None:
         """The step's grammar mask, being filled on the grammar thread for the constrained rows
         it samples (after the tokens of the steps before, which that thread took first); None when
-        no row is constrained any more (a finished request has no grammar)."""
+        no row is constrained any more (a finished request has no grammar). A fill `accept_step`
+        started for these rows is used, with the rows of requests finished since opened (no mask
+        on them, as if they were left out)."""
         rows = [i for i, req in enumerate(sampling) if req.grammar is not None]
+        early, self._early_fill = self._early_fill, None
         if not rows:
             return None
+        if early is not None and early.sampling is sampling:
+            live = set(rows)
+            opened = [j for j, i in enumerate(early.rows) if i not in live]
+            return PendingMask(early.future, self.bitmask, early.rows, early.grammars, opened)
         grammars = [sampling[i].grammar for i in rows]
-        return PendingMask(self._submit(self.bitmask.fill_host, grammars), self.bitmask, rows, grammars)
+        return PendingMask(self._submit(self.bitmask.fill_host, grammars), self.bitmask, rows, grammars, [])
 
-    def accept_step(self, sampling: list[Request], token_ids: list[int],
-                    output_index: list[int]) -> PendingAccept | None:
+    def accept_step(self, sampling: list[Request], token_ids: list[int], output_index: list[int],
+                    next_sampling: list[Request] | None = None) -> PendingAccept | None:
         """A processed step's tokens to the grammars of its live requests, before the engine's
         per-token loop (`settle`, then `advance`, read the outcome): the active ones take theirs
         in one batch on the grammar thread; an inactive one (reasoning first) looks here for the
-        end marker, which the token at output_index[i] ends the output with."""
+        end marker, which the token at output_index[i] ends the output with. `next_sampling`:
+        the sampling rows of the step launched after this one, whose mask (`mask`) the grammar
+        thread then fills right away."""
         if self._last_task is not None:  # the flags written below are the last task's to read
             wait_futures([self._last_task])
         grammars, tokens = [], []
@@ -160,9 +191,14 @@ class StructuredOutputManager:
             else:
                 tail = req.output_token_ids[max(0, index + 1 - len(grammar.end_marker)):index] + [token]
                 grammar.accept(token, tail, len(tail))
-        if not grammars:
-            return None
-        return PendingAccept(self._submit(accept_batch, grammars, tokens), grammars)
+        accepting = PendingAccept(self._submit(accept_batch, grammars, tokens), grammars) if grammars else None
+        if next_sampling is not None:
+            rows = [i for i, req in enumerate(next_sampling) if req.grammar is not None]
+            if rows:
+                next_grammars = [next_sampling[i].grammar for i in rows]
+                future = self._submit(self.bitmask.fill_host, next_grammars, wait_start=accepting is None)
+                self._early_fill = _EarlyFill(next_sampling, rows, next_grammars, future)
+        return accepting
 
     @staticmethod
     def settle(accepting: PendingAccept | None | int) -> None:
@@ -179,8 +215,17 @@ class StructuredOutputManager:
             for grammar in accepting.grammars:
                 grammar.failed = True
 
-    def _submit(self, fn, *args) -> Future:
-        self._last_task = self.executor.submit(fn, *args)
+    def _submit(self, fn, *args, wait_start: bool = True) -> Future:
+        """fn(*args) on the grammar thread; `wait_start`: returns once it has started (the thread
+        is idle). A thread needs the GIL to start, which a busy engine thread would keep for up to
+        the interpreter's switch interval (5 ms), a step's whole overlap. (A task queued behind
+        another starts when the engine thread waits for that one, or sooner.)"""
+        if not wait_start:
+            self._last_task = self.executor.submit(fn, *args)
+            return self._last_task
+        started = threading.Event()
+        self._last_task = self.executor.submit(_started, started, fn, *args)
+        started.wait()
         return self._last_task
 
     @staticmethod

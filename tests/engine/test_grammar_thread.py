@@ -118,7 +118,7 @@ def test_a_grammar_engine_error_fails_the_step_not_the_engine(monkeypatch, faili
     original = getattr(xgr.BatchGrammarMatcher, failing)
     calls = 0
 
-    def fails_once(*args, **kwargs):
+    def fails_once(*args, **kwargs):  # the third call, mid-stream
         nonlocal calls
         calls += 1
         if calls == 3:
@@ -128,7 +128,7 @@ def test_a_grammar_engine_error_fails_the_step_not_the_engine(monkeypatch, faili
     monkeypatch.setattr(xgr.BatchGrammarMatcher, failing,
                         staticmethod(fails_once) if failing == "batch_accept_token" else fails_once)
     outputs = llm.generate(["one", "two", "three"], [_params(1), _params(3), _params(2)], use_tqdm=False)
-    assert calls == 3, "the grammar engine did not fail"
+    assert calls >= 3, "the grammar engine did not fail"
     assert [o.outputs[0].finish_reason for o in outputs[:2]] == ["error", "error"]
     assert outputs[2].outputs[0].finish_reason in ("stop", "length")  # unconstrained: not the grammar's step
     monkeypatch.undo()
