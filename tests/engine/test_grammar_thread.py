@@ -12,6 +12,7 @@ from concurrent.futures import Executor, Future
 import pytest
 import xgrammar as xgr
 
+from roseray.engine import structured_requests
 from roseray.engine.structured_requests import GRAMMAR_THREAD
 from roseray.llm import LLM
 from roseray.sampling_params import SamplingParams, StructuredOutputs
@@ -63,15 +64,20 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(temperature=1.0, seed=seed, max_tokens=30 + 7 * i, ignore_eos=i % 4 == 0)
 
 
-def _run(executor: Executor | None) -> tuple[dict[str, tuple[list[int], str]], int, int]:
+def _run(serial: bool) -> tuple[dict[str, tuple[list[int], str]], int, int]:
     """Few KV blocks and a shared prefix under async scheduling (held constrained sampling), one
     constrained request aborted mid-stream: {request id: (tokens, finish reason)}, preemptions,
-    the aborted request's tokens before its abort."""
+    the aborted request's tokens before its abort. `serial`: the grammar work inline on the engine
+    thread, each mask filled when the engine asks for it (no fill right behind the accept)."""
     llm = LLM("random:tiny", num_kv_blocks=60, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, seed=7,
               async_scheduling=True)
     engine = llm.engine
-    if executor is not None:
-        engine.structured.executor = executor
+    if serial:
+        structured = engine.structured
+        structured.executor = InlineExecutor()
+        accept_step = structured.accept_step
+        structured.accept_step = lambda sampling, token_ids, output_index, next_sampling=None: accept_step(
+            sampling, token_ids, output_index)
     llm.generate(["warm"], _params(1), use_tqdm=False)  # compiled and cached: admitted at once below
     for i in range(8):
         engine.add_request(f"r{i}", f"a shared prompt, cached: question {i}", _params(i))
@@ -92,8 +98,13 @@ def _run(executor: Executor | None) -> tuple[dict[str, tuple[list[int], str]], i
     return {rid: (tokens[rid], reasons[rid]) for rid in tokens}, engine.get_stats().num_preemptions_total, aborted_at
 
 
-def test_grammar_work_runs_on_its_thread_and_gives_the_serial_outputs(xgrammar_callers):
-    threaded, preemptions, aborted_at = _run(None)
+def test_grammar_work_runs_on_its_thread_and_gives_the_serial_outputs(xgrammar_callers, monkeypatch):
+    opened = []  # masks filled before the settle with rows of requests it finished
+    result = structured_requests.PendingMask.result
+    monkeypatch.setattr(structured_requests.PendingMask, "result", lambda self: opened.append(self.opened) or
+                        result(self))
+    threaded, preemptions, aborted_at = _run(serial=False)
+    assert any(opened), "no request finished while the next mask was filled"
     assert xgrammar_callers["accept"] and xgrammar_callers["fill"]
     for calls in xgrammar_callers.values():
         assert all(name.startswith(GRAMMAR_THREAD) for name in calls), calls
@@ -104,7 +115,7 @@ def test_grammar_work_runs_on_its_thread_and_gives_the_serial_outputs(xgrammar_c
 
     for calls in xgrammar_callers.values():
         calls.clear()
-    serial, serial_preemptions, _ = _run(InlineExecutor())
+    serial, serial_preemptions, _ = _run(serial=True)
     assert xgrammar_callers["accept"] == xgrammar_callers["fill"] == {threading.current_thread().name}
     assert serial == threaded
     assert serial_preemptions == preemptions
