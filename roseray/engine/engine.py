@@ -222,7 +222,7 @@ class LLMEngine:
             # while the GPU runs its forward. With overlap its sampling is held to the next call,
             # after that call's host work (which the fill overlaps), so that the next forward follows
             # it on the device without a gap. (A step whose requests all finished has nothing to sample.)
-            forward.grammar_mask = self.structured.mask(forward.sampling)
+            forward.grammar_mask = self.structured.mask(forward.sampling, inline=not self.overlap)
             if self.overlap:
                 self._held = forward
             else:

@@ -153,12 +153,13 @@ class StructuredOutputManager:
             ready.append(req)
         return ready, failed
 
-    def mask(self, sampling: list[Request]) -> PendingMask | None:
+    def mask(self, sampling: list[Request], inline: bool = False) -> PendingMask | None:
         """The step's grammar mask, being filled on the grammar thread for the constrained rows
         it samples (after the tokens of the steps before, which that thread took first); None when
         no row is constrained any more (a finished request has no grammar). A fill `accept_step`
         started for these rows is used, with the rows of requests finished since opened (no mask
-        on them, as if they were left out)."""
+        on them, as if they were left out). `inline`: the caller samples at once, so there is
+        nothing to overlap and the fill runs here, sparing the hand-over."""
         rows = [i for i, req in enumerate(sampling) if req.grammar is not None]
         early, self._early_fill = self._early_fill, None
         if not rows:
@@ -168,7 +169,9 @@ class StructuredOutputManager:
             opened = [j for j, i in enumerate(early.rows) if i not in live]
             return PendingMask(early.future, self.bitmask, early.rows, early.grammars, opened)
         grammars = [sampling[i].grammar for i in rows]
-        return PendingMask(self._submit(self.bitmask.fill_host, grammars), self.bitmask, rows, grammars, [])
+        future = self._run_here(self.bitmask.fill_host, grammars) if inline else \
+            self._submit(self.bitmask.fill_host, grammars)
+        return PendingMask(future, self.bitmask, rows, grammars, [])
 
     def accept_step(self, sampling: list[Request], token_ids: list[int], output_index: list[int],
                     next_sampling: list[Request] | None = None) -> PendingAccept | None:
@@ -214,6 +217,17 @@ class StructuredOutputManager:
                              len(accepting.grammars))
             for grammar in accepting.grammars:
                 grammar.failed = True
+
+    def _run_here(self, fn, *args) -> Future:
+        """fn(*args) on this thread, once the grammar thread is idle, as a done future."""
+        if self._last_task is not None:
+            wait_futures([self._last_task])
+        future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as error:  # noqa: BLE001 - raised where the result is read, as from the thread
+            future.set_exception(error)
+        return future
 
     def _submit(self, fn, *args, wait_start: bool = True) -> Future:
         """fn(*args) on the grammar thread; `wait_start`: returns once it has started (the thread
