@@ -12,10 +12,11 @@ fill release the GIL, so the engine's thread meanwhile does its own Python work:
 text and stop checks while the tokens are accepted, then, while the next step's mask is
 filled right behind the accept, settling the step and scheduling and preparing the one after.
 The engine joins a task where it needs its result: `settle` before it reads the verdicts,
-`PendingMask.result` just before it samples through the mask. Only
-that thread calls into a matcher once a request is scheduled; the engine's thread touches a
-grammar's flags only when no task is running (`accept_step` waits for the one before), and
-dropping a finished request's grammar (`release`) leaves the task's own reference alive.
+`PendingMask.result` just before it samples through the mask. One thread at a time calls
+into the matchers: that thread's tasks run in order, and the engine's thread fills a mask
+itself (`mask(inline=True)`: it samples at once, nothing to overlap) or touches a grammar's
+flags only once the last task is done; dropping a finished request's grammar (`release`)
+leaves a running task its own reference.
 """
 
 from __future__ import annotations
