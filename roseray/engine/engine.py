@@ -23,7 +23,7 @@ from roseray.engine.request import FINISH_REASONS, PLACEHOLDER, Request, Request
 from roseray.engine.sampler import PendingSample, Sampler
 from roseray.engine.scheduler import Scheduler, SchedulerOutput
 from roseray.engine.structured_output import check_structured_outputs
-from roseray.engine.structured_requests import StructuredOutputManager
+from roseray.engine.structured_requests import PendingMask, StructuredOutputManager
 from roseray.engine.tensor_parallel_workers import TensorParallelWorkers
 from roseray.layers.kv_fp8 import kv_cache_dtype_name
 from roseray.models.loader import load_model, load_model_config, resolve_max_model_len
@@ -45,7 +45,7 @@ class LaunchedStep:
     chunks: list[Request]  # requests the step computed a prefill chunk for without sampling
     output_index: list[int]  # where each sampled token goes in its request's output
     constrained: bool  # some sampling request has a grammar: its mask needs the previous step's tokens
-    grammar_mask: tuple[torch.Tensor, list[int]] | None = None  # (bitmask, rows), filled before sampling
+    grammar_mask: PendingMask | None = None  # being filled on the grammar thread; joined when it samples
     sample: PendingSample | None = None
 
 
@@ -214,15 +214,15 @@ class LLMEngine:
         launched = None
         if forward is not None and not forward.constrained:
             launched = self._sample(forward, deltas)
-        if in_flight is not None:
-            deltas += self._process(in_flight)
+        if in_flight is not None:  # (the grammar thread fills the forward's mask right behind the accept)
+            deltas += self._process(in_flight, forward.sampling if forward is not None else None)
         if forward is not None and forward.constrained and (forward.chunks or
                                                             not all(r.is_finished for r in forward.sampling)):
-            # Its grammars needed the tokens just processed: the mask is filled while the GPU runs
-            # its forward. With overlap its sampling is held to the next call, after that call's
-            # host work, so that the next forward follows it on the device without a gap. (A step
-            # whose requests all finished meanwhile has nothing to sample.)
-            forward.grammar_mask = self.structured.mask(forward.sampling)
+            # Its grammars needed the tokens just processed: the mask is filled on the grammar thread
+            # while the GPU runs its forward. With overlap its sampling is held to the next call,
+            # after that call's host work (which the fill overlaps), so that the next forward follows
+            # it on the device without a gap. (A step whose requests all finished has nothing to sample.)
+            forward.grammar_mask = self.structured.mask(forward.sampling, inline=not self.overlap)
             if self.overlap:
                 self._held = forward
             else:
@@ -280,11 +280,11 @@ class LLMEngine:
 
     def _sample(self, forward: LaunchedStep, deltas: list[RequestDelta]) -> LaunchedStep | None:
         """Sample the forward's logits on the device, through its grammar mask if it has one."""
-        sampling = forward.sampling
-        try:
+        sampling, mask = forward.sampling, forward.grammar_mask
+        try:  # (the mask's fill is joined here)
             forward.sample = self.sampler.launch(forward.logits, sampling,
                                                  all_plain_greedy=self._num_not_plain_greedy == 0,
-                                                 argmax=forward.argmax, grammar_mask=forward.grammar_mask)
+                                                 argmax=forward.argmax, grammar_mask=mask and mask.result())
         except Exception as exc:  # the sampler failed: end this step's requests, keep the engine
             self._step_failed(exc, [r for r in forward.batch.requests if not r.is_finished], deltas)
             return None
@@ -294,20 +294,16 @@ class LLMEngine:
                     self.sampler.release(req)  # the generator the sampler made for it again
         return forward
 
-    def _process(self, step: LaunchedStep) -> list[RequestDelta]:
-        """Turn a launched step's sampled tokens into request updates and deltas (the
-        per-token hot loop of the host: keep it to attribute reads and list writes)."""
+    def _process(self, step: LaunchedStep, next_sampling: list[Request] | None = None) -> list[RequestDelta]:
+        """A launched step's sampled tokens to request updates and deltas (the host's per-token hot
+        loop: attribute reads and list writes). While the grammars take the tokens on their thread,
+        a first pass does what needs no verdict of theirs; a second settles each row with them."""
         sampled = step.sample.result()
-        if self.structured.num_requests:
-            self.structured.accept_step(step.sampling, sampled.token_ids, step.output_index)
-        now = time.monotonic()
-        deltas, finished, statuses = [], [], []
-        logprobs = sampled.logprobs
-        max_model_len = self.max_model_len
-        finished_stopped = RequestStatus.FINISHED_STOPPED
-        caching = self.config.enable_prefix_caching
-        block_size = self.config.block_size
-        commit = self.block_manager.commit_full_blocks
+        accepting = self.structured.num_requests and self.structured.accept_step(
+            step.sampling, sampled.token_ids, step.output_index, next_sampling)
+        now, logprobs = time.monotonic(), sampled.logprobs
+        max_model_len, finished_stopped = self.max_model_len, RequestStatus.FINISHED_STOPPED
+        rows = []  # (request, token, new text, new logprobs, the engine's stop decision, its length now)
         for i, (req, token, index) in enumerate(zip(step.sampling, sampled.token_ids, step.output_index)):
             if req.status >= finished_stopped:
                 continue  # aborted or stopped while this step ran: its token is dropped
@@ -327,28 +323,29 @@ class LLMEngine:
             status = None
             if num_output >= req.max_tokens or token in req.stop_ids or num_prompt + num_output >= max_model_len:
                 status = self._check_stop(req, token, num_output)
-            if req.grammar is not None:
+            new_text = "" if req.detokenizer is None else req.detokenizer.step_token(token)
+            if new_text:
+                if req.sampling_params.stop:
+                    new_text, status = self._check_stop_strings(req, new_text, status)
+                else:
+                    req.output_text += new_text
+            rows.append((req, token, new_text, new_logprobs, status, num_prompt + num_output))
+        self.structured.settle(accepting)
+        deltas, finished, statuses = [], [], []
+        caching, block_size, commit = (self.config.enable_prefix_caching, self.config.block_size,
+                                       self.block_manager.commit_full_blocks)
+        for req, token, new_text, new_logprobs, status, length in rows:
+            if req.grammar is not None and not isinstance(req.stop_reason, str):  # str: a stop string's cut
                 status = self.structured.advance(req, status)
-            detokenizer = req.detokenizer
-            if detokenizer is None:
-                new_text = ""
-            else:
-                new_text = detokenizer.step_token(token)
-                if new_text:
-                    if req.sampling_params.stop:
-                        new_text, status = self._check_stop_strings(req, new_text, status)
-                    else:
-                        req.output_text += new_text
             if status is not None:  # a token launched after the stop is dropped by _finalize
                 finished.append(req)
                 statuses.append(status)
                 self._finalize(req, status)
             # every token up to this one is known now: publish the blocks it completes
-            if caching and (num_prompt + num_output) // block_size > req.num_committed_blocks \
-                    and req.status == RequestStatus.RUNNING:
-                commit(req, num_prompt + num_output)
+            if caching and length // block_size > req.num_committed_blocks and req.status == RequestStatus.RUNNING:
+                commit(req, length)
             deltas.append(RequestDelta(req.request_id, [token], new_text, status is not None, req.finish_reason,
-                                       new_logprobs, num_prompt, len(req.output_token_ids), req))
+                                       new_logprobs, req.num_prompt_tokens, len(req.output_token_ids), req))
         self.generation_tokens_total += len(deltas)
         if caching:
             for req in step.chunks:  # prefill chunks that sampled nothing

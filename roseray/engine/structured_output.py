@@ -15,7 +15,7 @@ token's allowed set as a bitmask of int32 words.
 - `RequestGrammar` is one request's matcher. With a reasoning parser it is inactive until
   the output ends the reasoning (its end marker's token ids), unless the prompt already did.
 - `GrammarBitmask` fills the constrained rows of a step into one pinned host buffer and
-  copies it to the device once.
+  copies it to the device once; the fill may run on another thread (structured_requests.py).
 """
 
 from __future__ import annotations
@@ -281,6 +281,11 @@ class GrammarBitmask:
     def fill(self, grammars: list[RequestGrammar]) -> torch.Tensor:
         """[len(grammars), num_words] int32 on the device: row i is grammars[i]'s allowed tokens
         (all tokens for an inactive or ended grammar)."""
+        return self.to_device(self.fill_host(grammars))
+
+    def fill_host(self, grammars: list[RequestGrammar]) -> torch.Tensor:
+        """`fill`'s host half, into the next of the two pinned buffers (safe on another thread:
+        xgrammar's fill releases the GIL, and one thread fills at a time)."""
         self._turn ^= 1
         host = self._host[self._turn][:len(grammars)]
         matchers, rows = [], []
@@ -292,6 +297,10 @@ class GrammarBitmask:
                 rows.append(i)
         if matchers:
             self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
+        return host
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """`fill`'s copy, on the caller's thread (so it is queued on the engine's stream in order)."""
         if self._device.type == "cpu":
             return host.clone()
         return host.to(self._device, non_blocking=True)
