@@ -28,6 +28,8 @@ ROUTER_REPLICAS_ENV = "RAY_SERVE_INGRESS_ROUTER_REPLICAS_PER_NODE"
 TP_ALL_REDUCE_ENV = "ROSERAY_TP_ALL_REDUCE"
 # CUDA's: the GPUs this process may use ("" or "-1": none)
 CUDA_VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+# OpenMP's: torch's CPU threads (a GPU engine uses 1 unless this is set)
+OMP_NUM_THREADS_ENV = "OMP_NUM_THREADS"
 
 
 def api_key() -> str | None:
@@ -64,3 +66,9 @@ def child_environment(extra: dict[str, str]) -> dict[str, str]:
     """This process's whole environment with `extra` set on top: what a child started with
     `extra` sees (serve run under haproxy_env's variables)."""
     return {**os.environ, **extra}
+
+
+def omp_num_threads() -> int | None:
+    """OMP_NUM_THREADS as a positive int, or None when it is unset or not one."""
+    value = os.environ.get(OMP_NUM_THREADS_ENV, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None

@@ -25,12 +25,17 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 def corpus_files(root: Path, max_bytes: int) -> list[str]:
-    """The .py files under `root`, in path order, up to `max_bytes`."""
+    """The UTF-8 .py files under `root`, in path order, up to `max_bytes` (a stdlib holds a few test
+    files in other encodings, which the trainer refuses)."""
     files, total = [], 0
     for path in sorted(root.rglob("*.py")):
         size = path.stat().st_size
         if total + size > max_bytes:
             break
+        try:
+            path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
         files.append(str(path))
         total += size
     return files

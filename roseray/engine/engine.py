@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from roseray import envs
 from roseray.config import EngineConfig
 from roseray.engine.block_manager import BlockManager
 from roseray.engine.detokenizer import find_stop_string, make_detokenizer, prepare_detokenization
@@ -49,11 +50,20 @@ class LaunchedStep:
     sample: PendingSample | None = None
 
 
+def limit_cpu_threads(device: torch.device) -> None:
+    """A GPU engine's torch runs on one CPU thread (unless OMP_NUM_THREADS says otherwise): its host
+    ops are small, and idle OpenMP threads spin on the cores that the grammar matchers' threads need
+    (two threads' accepts ran no faster than one beside torch's spinning pool)."""
+    if device.type == "cuda" and envs.omp_num_threads() is None:
+        torch.set_num_threads(1)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
         self.device = config.resolve_device()
+        limit_cpu_threads(self.device)
         torch.manual_seed(config.seed)
         self.model_config = load_model_config(config.model, revision=config.revision, load_format=config.load_format)
         self.dtype = config.resolve_dtype(self.model_config.torch_dtype, self.device)

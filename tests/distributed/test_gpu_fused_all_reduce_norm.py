@@ -6,8 +6,11 @@ tensor-parallel engine per process. Skipped without two CUDA devices."""
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
+import time
+import traceback
 
 import pytest
 import torch
@@ -33,8 +36,24 @@ def _triton_engine(path: str, results) -> None:
         return fused(self, *args)
 
     TritonAllReduce.add_rmsnorm = counted
-    outputs = run(path, prompts(), "float32", 2)
+    try:
+        outputs = run(path, prompts(), "float32", 2)
+    except BaseException:  # the parent reports it at once (its own pytest capture would hide it)
+        results.put(("error", traceback.format_exc()))
+        raise
     results.put(([o.token_ids for o in outputs], launches[0]))
+
+
+def _result(process, results, timeout_s: float):
+    """The child's result, or a failure as soon as it exits without one (not after the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if not process.is_alive():
+                pytest.fail(f"the TP=2 engine's process exited (code {process.exitcode}) without a result")
+    pytest.fail(f"the TP=2 engine gave no result within {timeout_s} s")
 
 
 @pytest.mark.timeout(2 * ENGINE_TIMEOUT_S)
@@ -42,18 +61,19 @@ def _triton_engine(path: str, results) -> None:
 def test_two_gpus_with_the_fused_all_reduce_norm_match_one(kind, tiny_checkpoint):
     path = tiny_checkpoint(kind)
     one = [o.token_ids for o in run(path, prompts(), "float32", 1)]
+    gc.collect()
+    torch.cuda.empty_cache()  # this process's cached blocks on GPU 0 would count against the child's share
     context = mp.get_context("spawn")
     results = context.Queue()
     process = context.Process(target=_triton_engine, args=(str(path), results))
     process.start()
     try:
-        two, launches = results.get(timeout=ENGINE_TIMEOUT_S)
-    except queue.Empty:
-        pytest.fail(f"the TP=2 engine gave no result within {ENGINE_TIMEOUT_S} s (exit code {process.exitcode})")
+        two, launches = _result(process, results, ENGINE_TIMEOUT_S)
     finally:
         process.join(60)
         if process.is_alive():
             process.kill()
+    assert two != "error", launches  # the child's traceback
     assert process.exitcode == 0, process.exitcode
     assert launches > 0, "rank 0 never ran the fused all-reduce + add + RMSNorm (the triton method not in use?)"
     assert two == one
