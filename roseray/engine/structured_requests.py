@@ -37,6 +37,7 @@ from roseray.engine.structured_output import (
     GrammarCompiler,
     RequestGrammar,
     accept_batch,
+    bounds_whitespace,
     reasoning_ended,
 )
 
@@ -150,7 +151,8 @@ class StructuredOutputManager:
             if self.reasoning_markers is not None:
                 start, end = self.reasoning_markers
                 end_marker = None if reasoning_ended(req.prompt_token_ids, start, end) else end
-            req.grammar = RequestGrammar(future.result(), self.compiler.stop_token_ids, end_marker)
+            whitespace = self.compiler.whitespace if bounds_whitespace(req.sampling_params.structured_outputs) else None
+            req.grammar = RequestGrammar(future.result(), self.compiler.stop_token_ids, end_marker, whitespace)
             ready.append(req)
         return ready, failed
 

@@ -10,13 +10,17 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from roseray.engine.request import PLACEHOLDER
 from roseray.engine.structured_output import (
+    MAX_WHITESPACE,
+    GrammarBitmask,
     GrammarCompiler,
     RequestGrammar,
     accept_batch,
     check_structured_outputs,
+    forbid_whitespace,
     reasoning_ended,
 )
 from roseray.llm import LLM
@@ -311,6 +315,51 @@ def test_a_grammar_terminates_exactly_when_its_matcher_does(byte_llm):
         for grammar in (one, batched):
             assert not grammar.failed
             assert grammar.terminated == grammar.matcher.is_terminated() == (n == len(tokens))
+
+
+def test_whitespace_tokens_are_the_tokens_of_json_whitespace_only(hf_llm):
+    """WhitespaceTokens: a token counts its bytes when they are all JSON whitespace, and `others`
+    has exactly the other tokens' bits."""
+    compiler = hf_llm.engine.structured.compiler
+    table, pieces = compiler.whitespace, compiler.info.decoded_vocab
+    expected = [len(p) if p and set(p) <= set(b" \t\n\r") else 0 for p in pieces]
+    assert table.chars[:len(expected)] == expected and any(expected)
+    bits = ((table.others.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+    assert [bool(b) for b in bits[:len(expected)]] == [c == 0 for c in expected]
+
+
+def test_forbid_whitespace_keeps_a_row_that_allows_nothing_else():
+    others = torch.tensor([~0b0110, -1], dtype=torch.int32)  # tokens 1 and 2 are whitespace only
+    host = torch.tensor([[0b1111, 5], [0b0110, 0], [0b0010, 7]], dtype=torch.int32)
+    forbid_whitespace(host, [0, 1], others)
+    assert host.tolist() == [[0b1001, 5], [0b0110, 0], [0b0010, 7]]  # row 2 was not asked for
+
+
+def test_json_whitespace_runs_are_bounded_for_a_model_that_always_picks_whitespace(byte_llm):
+    """A 'model' that takes a newline whenever the mask allows one, else the lowest token allowed:
+    with the grammar's whitespace unbounded it would never end; cut at MAX_WHITESPACE characters a
+    run, its JSON ends, parses and validates."""
+    engine = byte_llm.engine
+    schema = SCHEMAS["enum_and_const"]
+    spec = StructuredOutputs.json_schema(schema)
+    compiler = engine.structured.compiler
+    grammar = RequestGrammar(compiler.compile(spec), compiler.stop_token_ids, whitespace=compiler.whitespace)
+    bitmask = GrammarBitmask(1, engine.model_config.vocab_size, torch.device("cpu"))
+    newline = engine.tokenizer.encode("\n", add_special_tokens=False)[0]
+    shifts = torch.arange(32, dtype=torch.int32)
+    tokens, runs, run = [], [], 0
+    while not grammar.terminated:
+        assert len(tokens) < 2000, "the output never ended"
+        allowed = ((bitmask.fill_host([grammar])[0].unsqueeze(1) >> shifts) & 1).flatten().nonzero().flatten()
+        token = newline if newline in allowed else int(allowed[0])
+        grammar.accept(token, [], 0)
+        assert not grammar.failed
+        run = run + 1 if token == newline else 0
+        runs.append(run)
+        tokens.append(token)
+    assert max(runs) == MAX_WHITESPACE  # the byte tokenizer: a character a token
+    text = engine.tokenizer.decode([t for t in tokens if t not in compiler.stop_token_ids])
+    jsonschema.validate(json.loads(text), schema)
 
 
 def test_overlap_with_penalised_and_constrained_requests_together():
