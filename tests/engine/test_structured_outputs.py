@@ -9,6 +9,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -324,12 +325,12 @@ def test_whitespace_tokens_are_the_tokens_of_json_whitespace_only(hf_llm):
     table, pieces = compiler.whitespace, compiler.info.decoded_vocab
     expected = [len(p) if p and set(p) <= set(b" \t\n\r") else 0 for p in pieces]
     assert table.chars[:len(expected)] == expected and any(expected)
-    bits = ((table.others.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+    bits = ((torch.from_numpy(table.others).unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
     assert [bool(b) for b in bits[:len(expected)]] == [c == 0 for c in expected]
 
 
 def test_forbid_whitespace_keeps_a_row_that_allows_nothing_else():
-    others = torch.tensor([~0b0110, -1], dtype=torch.int32)  # tokens 1 and 2 are whitespace only
+    others = np.array([~0b0110, -1], dtype=np.int32)  # tokens 1 and 2 are whitespace only
     host = torch.tensor([[0b1111, 5], [0b0110, 0], [0b0010, 7]], dtype=torch.int32)
     forbid_whitespace(host, [0, 1], others)
     assert host.tolist() == [[0b1001, 5], [0b0110, 0], [0b0010, 7]]  # row 2 was not asked for
