@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from roseray import envs
 from roseray.config import EngineConfig
 from roseray.engine.block_manager import BlockManager
+from roseray.engine.cpu_threads import limit_cpu_threads
 from roseray.engine.detokenizer import find_stop_string, make_detokenizer, prepare_detokenization
 from roseray.engine.kv_events import KVCacheSnapshot, KVEventBatch
 from roseray.engine.limits import RequestLimits
@@ -48,14 +48,6 @@ class LaunchedStep:
     constrained: bool  # some sampling request has a grammar: its mask needs the previous step's tokens
     grammar_mask: PendingMask | None = None  # being filled on the grammar thread; joined when it samples
     sample: PendingSample | None = None
-
-
-def limit_cpu_threads(device: torch.device) -> None:
-    """A GPU engine's torch runs on one CPU thread (unless OMP_NUM_THREADS says otherwise): its host
-    ops are small, and idle OpenMP threads spin on the cores that the grammar matchers' threads need
-    (two threads' accepts ran no faster than one beside torch's spinning pool)."""
-    if device.type == "cuda" and envs.omp_num_threads() is None:
-        torch.set_num_threads(1)
 
 
 class LLMEngine:

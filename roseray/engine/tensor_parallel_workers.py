@@ -36,6 +36,7 @@ import torch
 from roseray.config import EngineConfig
 from roseray.distributed import abort_tensor_parallel, broadcast, init_tensor_parallel, shutdown_tensor_parallel
 from roseray.engine.captured_graphs import CapturedGraphs
+from roseray.engine.cpu_threads import limit_cpu_threads
 from roseray.engine.model_runner import ModelRunner
 from roseray.engine.rank_watchdog import RankWatchdog, check_workers, wait_until_joining
 from roseray.engine.step_inputs import PLAN_LENGTHS, STOP, StepPlan
@@ -185,6 +186,7 @@ def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, pa
     _die_with(parent)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where this rank is now
     device = config.resolve_device()
+    limit_cpu_threads(device)
     if device.type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)

@@ -1,4 +1,4 @@
-"""A GPU engine runs torch on one CPU thread unless OMP_NUM_THREADS is set; a CPU engine keeps
+"""A GPU engine (each of its ranks) runs torch on one CPU thread unless OMP_NUM_THREADS is set; a CPU engine keeps
 torch's threads (its model runs on them)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from roseray import envs
-from roseray.engine.engine import limit_cpu_threads
+from roseray.engine.cpu_threads import limit_cpu_threads
 
 
 @pytest.fixture
