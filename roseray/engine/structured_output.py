@@ -343,18 +343,19 @@ class GrammarBitmask:
         xgrammar's fill releases the GIL, and one thread fills at a time)."""
         self._turn ^= 1
         host = self._host[self._turn][:len(grammars)]
-        matchers, rows = [], []
+        matchers, rows, exhausted = [], [], []
         for i, grammar in enumerate(grammars):
             if not grammar.active or grammar.terminated:
                 host[i].fill_(-1)
             else:
                 matchers.append(grammar.matcher)
                 rows.append(i)
+                if grammar.whitespace_exhausted:
+                    exhausted.append(i)
         if matchers:
             self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
-            exhausted = [i for i in rows if grammars[i].whitespace_exhausted]
-            if exhausted:
-                forbid_whitespace(host, exhausted, grammars[exhausted[0]].whitespace.others)
+        if exhausted:
+            forbid_whitespace(host, exhausted, grammars[exhausted[0]].whitespace.others)
         return host
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
