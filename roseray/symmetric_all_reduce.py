@@ -40,11 +40,10 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 
 from roseray.envs import TP_ALL_REDUCE_ENV
-from roseray.triton_all_reduce import TritonAllReduce
+from roseray.triton_all_reduce import BUFFER_BYTES, TritonAllReduce
 
 logger = logging.getLogger(__name__)
 
-BUFFER_BYTES = 8 << 20  # a decode batch of 1024 tokens x 4096 hidden in bf16
 ONE_SHOT_MAX_BYTES = 512 << 10
 METHODS = ("nccl", "symmetric", "one_shot", "two_shot", "triton")
 DTYPES = (torch.bfloat16, torch.float32)

@@ -301,8 +301,8 @@ class LLMEngine:
         loop: attribute reads and list writes). While the grammars take the tokens on their thread,
         a first pass does what needs no verdict of theirs; a second settles each row with them."""
         sampled = step.sample.result()
-        accepting = self.structured.num_requests and self.structured.accept_step(
-            step.sampling, sampled.token_ids, step.output_index, next_sampling)
+        accepting = self.structured.accept_step(step.sampling, sampled.token_ids, step.output_index,
+                                                next_sampling) if self.structured.num_requests else None
         now, logprobs = time.monotonic(), sampled.logprobs
         max_model_len, finished_stopped = self.max_model_len, RequestStatus.FINISHED_STOPPED
         rows = []  # (request, token, new text, new logprobs, the engine's stop decision, its length now)

@@ -333,14 +333,10 @@ class GrammarBitmask:
         self._turn = 0
         self._device = device
 
-    def fill(self, grammars: list[RequestGrammar]) -> torch.Tensor:
-        """[len(grammars), num_words] int32 on the device: row i is grammars[i]'s allowed tokens
-        (all tokens for an inactive or ended grammar)."""
-        return self.to_device(self.fill_host(grammars))
-
     def fill_host(self, grammars: list[RequestGrammar]) -> torch.Tensor:
-        """`fill`'s host half, into the next of the two pinned buffers (safe on another thread:
-        xgrammar's fill releases the GIL, and one thread fills at a time)."""
+        """[len(grammars), num_words] int32 in the next of the two pinned buffers: row i is grammars[i]'s
+        allowed tokens (all tokens for an inactive or ended grammar). Safe on another thread: xgrammar's
+        fill releases the GIL, and one thread fills at a time; `to_device` copies it."""
         self._turn ^= 1
         host = self._host[self._turn][:len(grammars)]
         matchers, rows, exhausted = [], [], []
@@ -359,7 +355,8 @@ class GrammarBitmask:
         return host
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """`fill`'s copy, on the caller's thread (so it is queued on the engine's stream in order)."""
+        """`fill_host`'s rows on the device, copied on the caller's thread (so that the copy is queued on
+        the engine's stream in order)."""
         if self._device.type == "cpu":
             return host.clone()
         return host.to(self._device, non_blocking=True)

@@ -207,11 +207,11 @@ class StructuredOutputManager:
         return accepting
 
     @staticmethod
-    def settle(accepting: PendingAccept | None | int) -> None:
+    def settle(accepting: PendingAccept | None) -> None:
         """Wait until the step's grammars took its tokens. If the grammar engine failed, it is
         logged here and the step's constrained requests end with an error (`advance`); the
         engine goes on."""
-        if not accepting:  # (None, or 0 from an engine with no constrained request)
+        if accepting is None:
             return
         try:
             accepting.future.result()
