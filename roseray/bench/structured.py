@@ -4,12 +4,14 @@
 
 For each concurrency level, a closed loop of that many clients sends chat completions with a
 `json_schema` response format (SCHEMA: a fixed-size array of records, so every output has
-about the same length and ends by the grammar), then the same requests unconstrained with
-`max_tokens` set to the constrained run's mean completion length and `ignore_eos`, so both
-runs generate the same number of tokens per request. Reported per run: output tok/s (from
-the usage the server returns, over the wall time), requests completed, and for constrained
-runs how many outputs parse and validate against the schema. The cost of the constraint is
-1 - constrained tok/s / unconstrained tok/s. `--compact` sends vLLM's
+about the same length and ends by the grammar), then the same requests unconstrained, each with
+`max_tokens` set to its own constrained completion's length and `ignore_eos`, so both runs
+generate the same tokens per request and their closed loops the same tail (with every request
+at the mean length instead, the constrained run's spread of lengths alone made its last clients
+straggle: 3-5% of "cost" in a simulation of W-json's lengths). Reported per run: output tok/s
+(from the usage the server returns, over the wall time), requests completed, the completion
+lengths, and for constrained runs how many outputs parse and validate against the schema. The
+cost of the constraint is 1 - constrained tok/s / unconstrained tok/s. `--compact` sends vLLM's
 `structured_outputs: {"json": ..., "disable_any_whitespace": true}` instead of a response
 format (the JSON has no free whitespace). One JSON line per run on stdout.
 """
@@ -50,8 +52,9 @@ def _body(args, i: int, constrained: bool, max_tokens: int) -> dict:
     return body
 
 
-async def run_level(args, concurrency: int, constrained: bool, max_tokens: int) -> dict:
-    """One closed-loop run: `concurrency` clients, `args.requests_per_client` requests each."""
+async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[int]) -> dict:
+    """One closed-loop run: `concurrency` clients, `args.requests_per_client` requests each;
+    request i asks for max_tokens[i]."""
     num_requests = concurrency * args.requests_per_client
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(num_requests):
@@ -66,11 +69,11 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: int) 
                     i = queue.get_nowait()
                     try:
                         response = await client.post("/v1/chat/completions",
-                                                     json=_body(args, i, constrained, max_tokens))
+                                                     json=_body(args, i, constrained, max_tokens[i]))
                     except httpx.HTTPError as error:  # counted as not completed, and the run goes on
-                        results.append({"status": 0, "error": f"{type(error).__name__}: {error}"})
+                        results.append({"index": i, "status": 0, "error": f"{type(error).__name__}: {error}"})
                     else:
-                        results.append(_result(response, constrained))
+                        results.append({"index": i, **_result(response, constrained)})
                     bar.update()
 
             started = time.monotonic()
@@ -79,11 +82,14 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: int) 
     ok = [r for r in results if r["status"] == 200]
     failed = [r for r in results if r["status"] != 200]
     tokens = sum(r["completion_tokens"] for r in ok)
+    lengths = sorted(r["completion_tokens"] for r in ok) or [0]
     return {"constrained": constrained, "concurrency": concurrency, "requests": num_requests, "completed": len(ok),
             "valid": sum(r["valid"] for r in ok) if constrained else None,
             "finish_length": sum(r["finish_reason"] == "length" for r in ok),
             "output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 1),
             "mean_completion_tokens": round(tokens / max(len(ok), 1), 1),
+            "completion_tokens_min_max": [lengths[0], lengths[-1]],
+            "completion_tokens_by_request": {r["index"]: r["completion_tokens"] for r in ok},
             "sample": ok[0]["text"][:SAMPLE_CHARS] if ok else None,
             "first_error": failed[0]["error"][:SAMPLE_CHARS] if failed else None}
 
@@ -106,11 +112,15 @@ def _result(response: httpx.Response, constrained: bool) -> dict:
 
 async def run(args) -> list[dict]:
     rows = []
-    await run_level(args, min(args.concurrency), True, args.max_tokens)  # warm-up: compile, caches, graphs
+    warm_up = min(args.concurrency)
+    await run_level(args, warm_up, True, [args.max_tokens] * warm_up * args.requests_per_client)  # compile, caches
     for concurrency in args.concurrency:
-        constrained = await run_level(args, concurrency, True, args.max_tokens)
-        length = max(1, round(constrained["mean_completion_tokens"]))
-        free = await run_level(args, concurrency, False, length)
+        num_requests = concurrency * args.requests_per_client
+        constrained = await run_level(args, concurrency, True, [args.max_tokens] * num_requests)
+        lengths = constrained.pop("completion_tokens_by_request")
+        mean = max(1, round(constrained["mean_completion_tokens"]))  # for a request that failed
+        free = await run_level(args, concurrency, False, [lengths.get(i, mean) for i in range(num_requests)])
+        free.pop("completion_tokens_by_request")
         for row in (constrained, free):
             row["server"] = args.label
             rows.append(row)

@@ -29,13 +29,16 @@ def test_json_tokenizer_spells_json_and_ends_both_engines_at_its_eos(tmp_path):
 def test_structured_client_measures_valid_outputs_against_a_server(capsys):
     config = EngineConfig(model="random:tiny", device="cpu", max_model_len=2048, num_kv_blocks=512)
     with serving(config) as server:
-        rc = structured.main(["--base-url", server.url, "--concurrency", "2", "--requests-per-client", "1",
+        rc = structured.main(["--base-url", server.url, "--concurrency", "2", "--requests-per-client", "2",
                               "--max-tokens", "1500", "--label", "cpu"])
     assert rc == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     constrained, free, cost = lines
-    assert constrained["constrained"] and constrained["completed"] == constrained["valid"] == 2
+    assert constrained["constrained"] and constrained["completed"] == constrained["valid"] == 4
     assert constrained["finish_length"] == 0 and constrained["sample"].startswith("{")
-    assert not free["constrained"] and free["completed"] == 2 and free["finish_length"] == 2
-    assert free["mean_completion_tokens"] == round(constrained["mean_completion_tokens"])  # the same lengths
+    assert not free["constrained"] and free["completed"] == 4 and free["finish_length"] == 4
+    # each request runs free to its own constrained length: the same tokens, the same closed-loop tail
+    assert free["mean_completion_tokens"] == constrained["mean_completion_tokens"]
+    assert free["completion_tokens_min_max"] == constrained["completion_tokens_min_max"]
+    assert "completion_tokens_by_request" not in constrained and "completion_tokens_by_request" not in free
     assert cost["server"] == "cpu" and "constraint_cost" in cost
