@@ -10,7 +10,8 @@ generate the same tokens per request and their closed loops the same tail (with 
 at the mean length instead, the constrained run's spread of lengths alone made its last clients
 straggle: 3-5% of "cost" in a simulation of W-json's lengths). Reported per run: output tok/s
 (from the usage the server returns, over the wall time), requests completed, the completion
-lengths, and for constrained runs how many outputs parse and validate against the schema. The
+lengths, and for constrained runs how many outputs parse and validate against the schema (checked
+after the run's clock stops: in the loop, the client's own work delayed its next requests). The
 cost of the constraint is 1 - constrained tok/s / unconstrained tok/s. `--compact` sends vLLM's
 `structured_outputs: {"json": ..., "disable_any_whitespace": true}` instead of a response
 format (the JSON has no free whitespace). One JSON line per run on stdout.
@@ -73,7 +74,7 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[
                     except httpx.HTTPError as error:  # counted as not completed, and the run goes on
                         results.append({"index": i, "status": 0, "error": f"{type(error).__name__}: {error}"})
                     else:
-                        results.append({"index": i, **_result(response, constrained)})
+                        results.append({"index": i, **_result(response)})
                     bar.update()
 
             started = time.monotonic()
@@ -81,6 +82,10 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[
             seconds = time.monotonic() - started
     ok = [r for r in results if r["status"] == 200]
     failed = [r for r in results if r["status"] != 200]
+    if constrained:  # checked once the clock stopped: the client's own work would delay its next requests
+        validator = jsonschema.Draft202012Validator(SCHEMA)
+        for r in ok:
+            r["valid"] = _valid(validator, r["text"])
     tokens = sum(r["completion_tokens"] for r in ok)
     lengths = sorted(r["completion_tokens"] for r in ok) or [0]
     return {"constrained": constrained, "concurrency": concurrency, "requests": num_requests, "completed": len(ok),
@@ -94,20 +99,21 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[
             "first_error": failed[0]["error"][:SAMPLE_CHARS] if failed else None}
 
 
-def _result(response: httpx.Response, constrained: bool) -> dict:
+def _result(response: httpx.Response) -> dict:
     if response.status_code != 200:
         return {"status": response.status_code, "error": response.text[:300]}
     body = response.json()
     choice = body["choices"][0]
-    valid = False
-    if constrained:
-        try:
-            jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
-            valid = True
-        except (ValueError, jsonschema.ValidationError):
-            pass
-    return {"status": 200, "completion_tokens": body["usage"]["completion_tokens"], "valid": valid,
+    return {"status": 200, "completion_tokens": body["usage"]["completion_tokens"],
             "finish_reason": choice["finish_reason"], "text": choice["message"]["content"] or ""}
+
+
+def _valid(validator: jsonschema.protocols.Validator, text: str) -> bool:
+    try:
+        validator.validate(json.loads(text))
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 async def run(args) -> list[dict]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
+
 from roseray.bench import json_tokenizer, structured
 from roseray.config import EngineConfig
 from roseray.models.loader import load_model_config
@@ -42,3 +44,12 @@ def test_structured_client_measures_valid_outputs_against_a_server(capsys):
     assert free["completion_tokens_min_max"] == constrained["completion_tokens_min_max"]
     assert "completion_tokens_by_request" not in constrained and "completion_tokens_by_request" not in free
     assert cost["server"] == "cpu" and "constraint_cost" in cost
+
+
+def test_structured_client_counts_only_outputs_that_parse_and_validate():
+    validator = jsonschema.Draft202012Validator(structured.SCHEMA)
+    record = {"id": 7, "name": "abcdefgh", "tags": ["red", "blue"], "ok": True}
+    assert structured._valid(validator, json.dumps({"records": [record] * 8}, indent=2))
+    assert not structured._valid(validator, json.dumps({"records": [record] * 7}))  # minItems 8
+    assert not structured._valid(validator, json.dumps({"records": [{**record, "id": -1}] * 8}))
+    assert not structured._valid(validator, '{"records": [')  # cut by max_tokens

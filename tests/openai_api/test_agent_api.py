@@ -16,6 +16,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from roseray.config import EngineConfig
+from roseray.openai_api.constraints import _schema_problem, check_schema
+from roseray.openai_api.field_policy import UnsupportedFieldError
 from roseray.openai_api.protocol import ChatCompletionRequest
 from tests.openai_api.helpers import assert_openai_error, serving, sse_events
 
@@ -244,6 +246,22 @@ BAD_TOOL = {"type": "function", "function": {"name": "bad", "parameters": {"type
 def test_bad_agent_input_is_a_400_naming_the_field(http, fields, param, words):
     error = assert_openai_error(chat(http, **{"max_tokens": 4, **fields}), 400, param)
     assert words is None or words in error["message"], error
+
+
+def test_a_schema_checked_before_is_judged_alike_and_each_error_names_its_own_field():
+    for param in ("response_format", "tools.0.function.parameters"):  # the second answer comes from the cache
+        with pytest.raises(UnsupportedFieldError, match="invalid JSON schema at type") as raised:
+            check_schema(param, {"type": "integr"})
+        assert raised.value.param == param and str(raised.value).startswith(f"{param}: ")
+    check_schema("response_format", {"type": "object", "properties": {"a": {"type": "integer"}}})
+    hits = _schema_problem.cache_info().hits
+    check_schema("response_format", {"properties": {"a": {"type": "integer"}}, "type": "object"})  # keys reordered
+    assert _schema_problem.cache_info().hits == hits + 1
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"items": deep}
+    with pytest.raises(UnsupportedFieldError, match="nested too deeply"):
+        check_schema("response_format", deep)
 
 
 def test_auto_tool_choice_without_a_server_parser_is_a_400_naming_the_option(server, http, monkeypatch):
