@@ -12,7 +12,10 @@ straggle: 3-5% of "cost" in a simulation of W-json's lengths). Reported per run:
 (from the usage the server returns, over the wall time), requests completed, the completion
 lengths, and for constrained runs how many outputs parse and validate against the schema (checked
 after the run's clock stops: in the loop, the client's own work delayed its next requests). The
-cost of the constraint is 1 - constrained tok/s / unconstrained tok/s. `--compact` sends vLLM's
+cost of the constraint is 1 - constrained tok/s / unconstrained tok/s. From a roseray server's
+/metrics, each run also reports its engine's steps, tokens a step, ms a step (the step's own host
+work and the device time it waits on) and ms a step sending outputs, and how busy the engine was.
+`--compact` sends vLLM's
 `structured_outputs: {"json": ..., "disable_any_whitespace": true}` instead of a response
 format (the JSON has no free whitespace). One JSON line per run on stdout.
 """
@@ -37,6 +40,9 @@ SCHEMA = {"type": "object", "properties": {"records": {"type": "array", "items":
           "required": ["records"], "additionalProperties": False}
 PROMPT = "List eight inventory records as JSON: id, an eight-letter name, two colour tags and a status. Request {i}."
 TIMEOUT_S = 600.0
+# a roseray server's engine counters (/metrics), read around each run: where its time went
+ENGINE_COUNTERS = {"steps": "roseray:engine_steps_total", "step_s": "roseray:engine_step_seconds_total",
+                   "output_s": "roseray:engine_output_seconds_total", "tokens": "roseray:generation_tokens_total"}
 SAMPLE_CHARS = 160  # of one output, in each run's line: what the server generated
 
 
@@ -77,9 +83,11 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[
                         results.append({"index": i, **_result(response)})
                     bar.update()
 
+            before = await _engine_counters(client)
             started = time.monotonic()
             await asyncio.gather(*[worker() for _ in range(concurrency)])
             seconds = time.monotonic() - started
+            after = await _engine_counters(client)
     ok = [r for r in results if r["status"] == 200]
     failed = [r for r in results if r["status"] != 200]
     if constrained:  # checked once the clock stopped: the client's own work would delay its next requests
@@ -95,8 +103,39 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[
             "mean_completion_tokens": round(tokens / max(len(ok), 1), 1),
             "completion_tokens_min_max": [lengths[0], lengths[-1]],
             "completion_tokens_by_request": {r["index"]: r["completion_tokens"] for r in ok},
+            "engine": _engine_share(before, after, seconds),
             "sample": ok[0]["text"][:SAMPLE_CHARS] if ok else None,
             "first_error": failed[0]["error"][:SAMPLE_CHARS] if failed else None}
+
+
+async def _engine_counters(client: httpx.AsyncClient) -> dict[str, float] | None:
+    """The server's ENGINE_COUNTERS, or None if it has none (not roseray, or no /metrics)."""
+    try:
+        response = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    values = {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition("{")
+        for key, metric in ENGINE_COUNTERS.items():
+            if name == metric:
+                values[key] = float(value.rsplit(" ", 1)[-1])
+    return values if len(values) == len(ENGINE_COUNTERS) else None
+
+
+def _engine_share(before: dict | None, after: dict | None, seconds: float) -> dict | None:
+    """Over one run: the engine's steps, tokens a step (its mean batch), ms a step, ms a step spent
+    handing outputs to the API processes, and the share of the wall time it was doing either."""
+    if before is None or after is None or after["steps"] <= before["steps"]:
+        return None
+    delta = {key: after[key] - before[key] for key in ENGINE_COUNTERS}
+    steps = delta["steps"]
+    return {"steps": int(steps), "tokens_per_step": round(delta["tokens"] / steps, 1),
+            "ms_per_step": round(delta["step_s"] / steps * 1e3, 3),
+            "output_ms_per_step": round(delta["output_s"] / steps * 1e3, 3),
+            "busy": round((delta["step_s"] + delta["output_s"]) / seconds, 3)}
 
 
 def _result(response: httpx.Response) -> dict:

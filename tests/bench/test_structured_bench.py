@@ -43,6 +43,11 @@ def test_structured_client_measures_valid_outputs_against_a_server(capsys):
     assert free["mean_completion_tokens"] == constrained["mean_completion_tokens"]
     assert free["completion_tokens_min_max"] == constrained["completion_tokens_min_max"]
     assert "completion_tokens_by_request" not in constrained and "completion_tokens_by_request" not in free
+    for run in (constrained, free):  # the engine's share, from roseray's /metrics
+        engine = run["engine"]
+        assert engine["steps"] > 0 and engine["ms_per_step"] > 0 and 0 < engine["busy"] <= 1.05
+        assert 1 <= engine["tokens_per_step"] <= 2  # two clients at once
+        assert engine["steps"] * engine["tokens_per_step"] >= run["output_tokens"] * 0.95
     assert cost["server"] == "cpu" and "constraint_cost" in cost
 
 
