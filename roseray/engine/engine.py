@@ -186,8 +186,8 @@ class LLMEngine:
     def step(self) -> list[RequestDelta]:
         """Schedule and launch the next batch, then process the results of the batch launched before it. With
         overlap on, the GPU runs batch N+1 while the host turns batch N's tokens into text and stop decisions;
-        off, each batch is processed right after its own launch. A batch with constrained requests samples through
-        a grammar mask that needs batch N's tokens: its sampling is held to the next call (DESIGN.md)."""
+        off, each batch is processed right after its own launch. A constrained batch samples through a grammar
+        mask that needs batch N's tokens: its sampling is held to the next call (DESIGN.md)."""
         started = time.perf_counter()
         try:
             deltas = self._step()
@@ -207,9 +207,11 @@ class LLMEngine:
         if in_flight is not None and not self._can_overlap():
             deltas += self._process(in_flight)
             in_flight = None
+        if held is not None and (held.grammar_mask is None or held.grammar_mask.ready):  # sampled as we prepare
+            in_flight, held = self._sample(held, deltas), None
         batch = self.scheduler.schedule()
         launch = self._prepare(batch, deltas) if batch else None
-        if held is not None:  # a constrained step whose sampling waited for this step's host work
+        if held is not None:  # a constrained step whose mask was still filling: sampled after this host work
             in_flight = self._sample(held, deltas)
             launch = launch if in_flight is not None else None  # failed, ending its requests: none run (rescheduled)
         forward = self._forward(batch, launch, in_flight, deltas) if launch is not None else None
@@ -221,9 +223,8 @@ class LLMEngine:
         if forward is not None and forward.constrained and (forward.chunks or
                                                             not all(r.is_finished for r in forward.sampling)):
             # Its grammars needed the tokens just processed: the mask is filled on the grammar thread
-            # while the GPU runs its forward. With overlap its sampling is held to the next call,
-            # after that call's host work (which the fill overlaps), so that the next forward follows
-            # it on the device without a gap. (A step whose requests all finished has nothing to sample.)
+            # while the GPU runs its forward. With overlap its sampling is held to the next call, which
+            # launches it first if the fill is done. (A step whose requests all finished samples nothing.)
             forward.grammar_mask = self.structured.mask(forward.sampling, inline=not self.overlap)
             if self.overlap:
                 self._held = forward

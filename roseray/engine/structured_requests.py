@@ -65,6 +65,11 @@ class PendingMask:
     grammars: list[RequestGrammar]  # the rows'
     opened: list[int]  # mask rows whose request finished after the fill: all tokens allowed, as for no mask
 
+    @property
+    def ready(self) -> bool:
+        """The fill is done (or failed): `result` would not wait."""
+        return self.future.done()
+
     def result(self) -> tuple[torch.Tensor, list[int]] | None:
         """(bitmask [R, words] on the device, its R rows): waits for the fill and queues the copy
         on this thread. If the grammar engine failed, it is logged here, the rows sample

@@ -24,6 +24,7 @@ from roseray.engine.structured_output import (
     forbid_whitespace,
     reasoning_ended,
 )
+from roseray.engine.structured_requests import PendingMask
 from roseray.llm import LLM
 from roseray.sampling_params import SamplingParams, StructuredOutputs
 from tests.models.hf_models import make_tiny_model
@@ -206,9 +207,13 @@ def test_min_tokens_with_a_constraint_is_refused():
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputs("json_object"))
 
 
-def test_overlapped_steps_give_the_same_constrained_outputs():
+@pytest.mark.parametrize("mask_ready", [False, True])
+def test_overlapped_steps_give_the_same_constrained_outputs(monkeypatch, mask_ready):
     """With async scheduling (the GPU default) a constrained batch's mask is filled after the step
-    before is processed, while this step's forward runs: the same tokens as one step at a time."""
+    before is processed, while this step's forward runs, and the next call samples through it
+    before it schedules (mask ready) or after it prepared the next step (mask still filling): the
+    same tokens as one step at a time, either way."""
+    monkeypatch.setattr(PendingMask, "ready", property(lambda self: mask_ready))
     schema = SCHEMAS["nested_object"]
     prompts = [f"overlap {i}" for i in range(6)]
     params = [_json_params(schema, temperature=1.0, seed=i, max_tokens=200) if i % 2 else
@@ -224,6 +229,35 @@ def test_overlapped_steps_give_the_same_constrained_outputs():
             _assert_valid_json(output, schema)
         llm.engine.check_integrity()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("mask_ready", [False, True])
+def test_a_held_sampling_goes_before_the_next_schedule_once_its_mask_is_filled(monkeypatch, mask_ready):
+    """The device samples a held step while the host schedules and prepares the next one when the
+    step's mask is ready; while it is still filling, the host does that work first (it overlaps
+    the fill) and samples after."""
+    monkeypatch.setattr(PendingMask, "ready", property(lambda self: mask_ready))
+    llm = LLM("random:tiny", async_scheduling=True, seed=3)
+    engine, events = llm.engine, []
+    real_schedule, real_launch = engine.scheduler.schedule, engine.sampler.launch
+
+    def schedule(*args, **kwargs):
+        events.append("schedule")
+        return real_schedule(*args, **kwargs)
+
+    def launch(logits, requests, *args, grammar_mask=None, **kwargs):
+        events.append("sample" if grammar_mask is None else "held sample")
+        return real_launch(logits, requests, *args, grammar_mask=grammar_mask, **kwargs)
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    monkeypatch.setattr(engine.sampler, "launch", launch)
+    output = llm.generate(["held"], _json_params(SCHEMAS["nested_object"], 1.0, seed=4, max_tokens=400),
+                          use_tqdm=False)[0]
+    _assert_valid_json(output, SCHEMAS["nested_object"])
+    held = [i for i, event in enumerate(events) if event == "held sample"]
+    assert len(held) >= 10
+    for i in held:  # each held sampling happens in a call that schedules once: before it or after it
+        assert events[i + 1 if mask_ready else i - 1] == "schedule", events[max(0, i - 2):i + 3]
 
 
 def test_the_grammar_waits_for_the_end_of_the_reasoning():
@@ -383,13 +417,17 @@ def test_overlap_with_penalised_and_constrained_requests_together():
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_a_held_step_whose_sampling_fails_ends_its_requests_and_the_next_launch_leaves_them_out(monkeypatch):
-    """With overlap a constrained step's sampling is held to the next call, after that call has
-    scheduled and prepared the next step, which includes the held step's requests. When that
-    sampling raises, the held step's requests end with an error (all of them: the step samples as
-    one) and the prepared step is not launched (it would run them after their blocks were freed,
-    leaving a placeholder in each); a request whose prefill chunk was in that step is scheduled
-    again and gives its greedy tokens."""
+@pytest.mark.parametrize("mask_ready", [False, True])
+def test_a_held_step_whose_sampling_fails_ends_its_requests_and_the_next_launch_leaves_them_out(
+        monkeypatch, mask_ready):
+    """With overlap a constrained step's sampling is held to the next call. When that sampling
+    raises, the held step's requests end with an error (all of them: the step samples as one).
+    If the mask was still filling, the call had scheduled and prepared the next step (with the
+    held step's requests) before it sampled: that step is not launched (it would run them after
+    their blocks were freed, leaving a placeholder in each), and a request whose prefill chunk was
+    in it is scheduled again and gives its greedy tokens. If the mask was ready, the call samples
+    first, so the step it then schedules leaves the ended requests out and runs the others."""
+    monkeypatch.setattr(PendingMask, "ready", property(lambda self: mask_ready))
     late_prompt, late_params = "x" * 60, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     config = dict(num_kv_blocks=64, max_num_batched_tokens=16, seed=5, async_scheduling=True)
     expected = LLM("random:tiny", **config).generate(late_prompt, late_params, use_tqdm=False)[0].outputs[0].token_ids
@@ -400,7 +438,9 @@ def test_a_held_step_whose_sampling_fails_ends_its_requests_and_the_next_launch_
     def failing_launch(logits, requests, *args, grammar_mask=None, **kwargs):
         if grammar_mask is not None:
             calls.append(len(requests))
-            if len(calls) == 2:  # prefilling in 16-token chunks when the failure comes: the dropped step has one
+            # prefilling in 16-token chunks when the failure comes: the dropped step has one (mask
+            # filling), or the step scheduled right after the failure has the first (mask ready)
+            if len(calls) == (3 if mask_ready else 2):
                 engine.add_request("late", late_prompt, late_params)
             if len(calls) == 3:
                 raise RuntimeError("sampler failure")
