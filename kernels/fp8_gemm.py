@@ -10,7 +10,8 @@ projections: `python -m roseray.bench kernels --fp8`):
   fp8 GEMM is no faster than bf16; past 16 rows its bf16 multiplies cost more than they save.
 - larger M: x is quantized per token (fp8_quant.quantize_per_token, one launch) and
   `torch._scaled_mm` runs the fp8 tensor-core GEMM with row-wise scales (x's per token, W's per
-  channel) in its epilogue: 1.15-1.2x over bf16 at 32-64 rows, 1.3-1.6x from 96.
+  channel) in its epilogue: 1.15-1.2x over bf16 at 32-64 rows, 1.3-1.6x from 96 (measured with
+  slow accumulation, before FAST_ACCUM).
 Both are CUDA-graph capturable (the path is chosen from shapes, never from data).
 """
 
@@ -26,6 +27,11 @@ from .fp8_quant import quantize_per_token
 
 # Rows up to which the weight-streaming kernel runs (above: quantized activations, cuBLASLt).
 W8A16_MAX_ROWS = 16
+# The fp8 GEMM's accumulation: Hopper's fp8 tensor cores keep fewer bits than fp32 between
+# instructions, and torch._scaled_mm by default (slow accumulation) promotes the partial sums to
+# fp32 registers at intervals, which costs throughput; fast accumulation leaves them. vLLM's
+# CUTLASS fp8 kernels for SM90 (its online fp8, the peer) all use the fast-accumulation schedules.
+FAST_ACCUM = True
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,8 @@ def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_row: torch.Tens
     """x quantized per token, then cuBLASLt's fp8 GEMM with row-wise scales (bf16 out).
     weight_scale_row is the weight scale as [1, N]."""
     x_q, x_scale = quantize_per_token(x)
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale_row, out_dtype=x.dtype)
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale_row, out_dtype=x.dtype,
+                           use_fast_accum=FAST_ACCUM)
     return out if bias is None else out.add_(bias)
 
 
