@@ -1,11 +1,12 @@
 """The engine at tensor_parallel_size 2 on CPU (rank 0 here, one worker process over gloo): greedy
 ids equal transformers' generate under batching, chunked prefill, prefix caching and preemption
 (Llama, Qwen3; the other families that shard equal the one-rank engine's);
-tokens sampled on rank 0 (a top-k-1 sampler, not the argmax path) reach the worker; the worker
-stops with the engine."""
+tokens sampled on rank 0 (a top-k-1 sampler, not the argmax path) reach the worker, and so do those
+of constrained steps sampled a call late with async scheduling; the worker stops with the engine."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -18,6 +19,8 @@ import torch
 import transformers
 
 from roseray import LLM, SamplingParams
+from roseray.engine.structured_requests import PendingMask
+from roseray.sampling_params import StructuredOutputs
 from tests.models.hf_models import make_tiny_model
 from tests.waiting import wait_until
 
@@ -82,6 +85,32 @@ def test_tokens_sampled_on_rank_0_reach_the_worker(tiny):
     top1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_NEW, ignore_eos=True, seed=0)
     got, _ = run(path, [batch], params=top1)
     assert got == [greedy(p) for p in batch]
+
+
+@pytest.mark.parametrize("mask_ready", [False, True])
+def test_constrained_requests_with_async_scheduling_give_the_one_step_tokens(monkeypatch, mask_ready):
+    """Rank 0 samples a constrained step through its grammar mask after the forward (held to the next
+    call, before or after that call prepares the next step) and sends those tokens to the worker: the
+    same tokens as one step at a time, every JSON output valid."""
+    monkeypatch.setattr(PendingMask, "ready", property(lambda self: mask_ready))
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+              "required": ["id", "tags"], "additionalProperties": False}
+    constrained = StructuredOutputs("json", json.dumps(schema))
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=300, structured_outputs=constrained) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True) for i in range(4)]
+    results = []
+    for overlap in (False, True):
+        llm = LLM("random:tiny", device="cpu", dtype="float32", tensor_parallel_size=2, async_scheduling=overlap,
+                  seed=3)
+        assert llm.engine.overlap is overlap
+        outputs = [o.outputs[0] for o in llm.generate([f"p{i}" for i in range(4)], params, use_tqdm=False)]
+        for output in outputs[1::2]:
+            assert output.finish_reason == "stop" and set(json.loads(output.text)) == {"id", "tags"}
+        results.append([o.token_ids for o in outputs])
+        llm.engine.check_integrity()
+        llm.engine.tp_workers.stop()
+    assert results[0] == results[1]
 
 
 # The families beyond Llama/Qwen3 that shard: MoE experts (Qwen3-MoE with a dense layer, Mixtral's windows),
