@@ -276,3 +276,13 @@ def ray_serve_cluster():
 
 if __name__ == "__main__":
     _run_ray_cluster(json.loads(sys.argv[1]))
+
+
+@pytest.fixture(params=[False, True], ids=["mask filling", "mask ready"])
+def mask_ready(request, monkeypatch):
+    """Whether a held constrained step's grammar mask is filled when the next engine call starts (the
+    call then samples it before it schedules, else after it prepared the next step): fixed, not timed."""
+    from roseray.engine.structured_requests import PendingMask
+
+    monkeypatch.setattr(PendingMask, "ready", property(lambda self: request.param))
+    return request.param

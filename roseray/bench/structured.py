@@ -59,9 +59,9 @@ def _body(args, i: int, constrained: bool, max_tokens: int) -> dict:
     return body
 
 
-async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[int]) -> dict:
+async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[int]) -> tuple[dict, dict[int, int]]:
     """One closed-loop run: `concurrency` clients, `args.requests_per_client` requests each;
-    request i asks for max_tokens[i]."""
+    request i asks for max_tokens[i]. (The run's row, each completed request's completion tokens.)"""
     num_requests = concurrency * args.requests_per_client
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(num_requests):
@@ -94,18 +94,18 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[
         validator = jsonschema.Draft202012Validator(SCHEMA)
         for r in ok:
             r["valid"] = _valid(validator, r["text"])
-    tokens = sum(r["completion_tokens"] for r in ok)
-    lengths = sorted(r["completion_tokens"] for r in ok) or [0]
-    return {"constrained": constrained, "concurrency": concurrency, "requests": num_requests, "completed": len(ok),
+    lengths = {r["index"]: r["completion_tokens"] for r in ok}
+    tokens = sum(lengths.values())
+    row = {"constrained": constrained, "concurrency": concurrency, "requests": num_requests, "completed": len(ok),
             "valid": sum(r["valid"] for r in ok) if constrained else None,
             "finish_length": sum(r["finish_reason"] == "length" for r in ok),
             "output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 1),
             "mean_completion_tokens": round(tokens / max(len(ok), 1), 1),
-            "completion_tokens_min_max": [lengths[0], lengths[-1]],
-            "completion_tokens_by_request": {r["index"]: r["completion_tokens"] for r in ok},
+            "completion_tokens_min_max": [min(lengths.values(), default=0), max(lengths.values(), default=0)],
             "engine": _engine_share(before, after, seconds),
             "sample": ok[0]["text"][:SAMPLE_CHARS] if ok else None,
             "first_error": failed[0]["error"][:SAMPLE_CHARS] if failed else None}
+    return row, lengths
 
 
 async def _engine_counters(client: httpx.AsyncClient) -> dict[str, float] | None:
@@ -161,11 +161,9 @@ async def run(args) -> list[dict]:
     await run_level(args, warm_up, True, [args.max_tokens] * warm_up * args.requests_per_client)  # compile, caches
     for concurrency in args.concurrency:
         num_requests = concurrency * args.requests_per_client
-        constrained = await run_level(args, concurrency, True, [args.max_tokens] * num_requests)
-        lengths = constrained.pop("completion_tokens_by_request")
+        constrained, lengths = await run_level(args, concurrency, True, [args.max_tokens] * num_requests)
         mean = max(1, round(constrained["mean_completion_tokens"]))  # for a request that failed
-        free = await run_level(args, concurrency, False, [lengths.get(i, mean) for i in range(num_requests)])
-        free.pop("completion_tokens_by_request")
+        free, _ = await run_level(args, concurrency, False, [lengths.get(i, mean) for i in range(num_requests)])
         for row in (constrained, free):
             row["server"] = args.label
             rows.append(row)

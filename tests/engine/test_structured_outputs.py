@@ -24,7 +24,6 @@ from roseray.engine.structured_output import (
     forbid_whitespace,
     reasoning_ended,
 )
-from roseray.engine.structured_requests import PendingMask
 from roseray.llm import LLM
 from roseray.sampling_params import SamplingParams, StructuredOutputs
 from tests.models.hf_models import make_tiny_model
@@ -207,13 +206,11 @@ def test_min_tokens_with_a_constraint_is_refused():
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputs("json_object"))
 
 
-@pytest.mark.parametrize("mask_ready", [False, True])
-def test_overlapped_steps_give_the_same_constrained_outputs(monkeypatch, mask_ready):
+def test_overlapped_steps_give_the_same_constrained_outputs(mask_ready):
     """With async scheduling (the GPU default) a constrained batch's mask is filled after the step
     before is processed, while this step's forward runs, and the next call samples through it
     before it schedules (mask ready) or after it prepared the next step (mask still filling): the
     same tokens as one step at a time, either way."""
-    monkeypatch.setattr(PendingMask, "ready", property(lambda self: mask_ready))
     schema = SCHEMAS["nested_object"]
     prompts = [f"overlap {i}" for i in range(6)]
     params = [_json_params(schema, temperature=1.0, seed=i, max_tokens=200) if i % 2 else
@@ -231,12 +228,10 @@ def test_overlapped_steps_give_the_same_constrained_outputs(monkeypatch, mask_re
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("mask_ready", [False, True])
 def test_a_held_sampling_goes_before_the_next_schedule_once_its_mask_is_filled(monkeypatch, mask_ready):
     """The device samples a held step while the host schedules and prepares the next one when the
     step's mask is ready; while it is still filling, the host does that work first (it overlaps
     the fill) and samples after."""
-    monkeypatch.setattr(PendingMask, "ready", property(lambda self: mask_ready))
     llm = LLM("random:tiny", async_scheduling=True, seed=3)
     engine, events = llm.engine, []
     real_schedule, real_launch = engine.scheduler.schedule, engine.sampler.launch
@@ -417,7 +412,6 @@ def test_overlap_with_penalised_and_constrained_requests_together():
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("mask_ready", [False, True])
 def test_a_held_step_whose_sampling_fails_ends_its_requests_and_the_next_launch_leaves_them_out(
         monkeypatch, mask_ready):
     """With overlap a constrained step's sampling is held to the next call. When that sampling
@@ -427,7 +421,6 @@ def test_a_held_step_whose_sampling_fails_ends_its_requests_and_the_next_launch_
     their blocks were freed, leaving a placeholder in each), and a request whose prefill chunk was
     in it is scheduled again and gives its greedy tokens. If the mask was ready, the call samples
     first, so the step it then schedules leaves the ended requests out and runs the others."""
-    monkeypatch.setattr(PendingMask, "ready", property(lambda self: mask_ready))
     late_prompt, late_params = "x" * 60, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     config = dict(num_kv_blocks=64, max_num_batched_tokens=16, seed=5, async_scheduling=True)
     expected = LLM("random:tiny", **config).generate(late_prompt, late_params, use_tqdm=False)[0].outputs[0].token_ids
