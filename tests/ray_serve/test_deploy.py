@@ -173,12 +173,9 @@ def ray_pin(built_wheel) -> str:
 
 
 def source_packages() -> set[str]:
-    """Import packages of the source tree as wheel paths: roseray/..., kernels/ -> roseray_kernels/..."""
-    packages = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "roseray").rglob("__init__.py")}
-    for p in (REPO / "kernels").rglob("__init__.py"):
-        rel = p.parent.relative_to(REPO / "kernels").as_posix()
-        packages.add("roseray_kernels" if rel == "." else f"roseray_kernels/{rel}")
-    return packages
+    """Import packages of the source tree as wheel paths: roseray/..., roseray_kernels/..."""
+    return {p.parent.relative_to(REPO).as_posix() for folder in ("roseray", "roseray_kernels")
+            for p in (REPO / folder).rglob("__init__.py")}
 
 
 def test_wheel_holds_every_package_of_the_source_tree(built_wheel):
