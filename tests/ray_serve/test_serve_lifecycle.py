@@ -22,6 +22,7 @@ pytestmark = pytest.mark.ray
 
 STOP_S = 45  # a stop with streams in flight: everything gone and the port free
 IDLE_STOP_S = 5  # a stop with nothing in flight, from the signal to `serve run`'s exit
+STARTUP_ANSWER_S = 60  # a POST during startup gets its answer (a 503 or a 200) within this
 
 
 @pytest.fixture
@@ -97,9 +98,11 @@ def test_sigterm_to_make_serve_mid_stream_stops_everything_and_frees_the_port(se
 
 
 def _startup_answer(url: str) -> tuple[str, int | None, dict, str]:
-    """(what, status, headers, body) of one POST during startup; status None: no connection."""
+    """(what, status, headers, body) of one POST during startup; status None: no connection. The
+    first request a replica serves can take over 10 s on a loaded 2-core CI machine (it did, in
+    the whole suite's run): the probe waits for an answer, and the loop's deadline bounds it."""
     try:
-        reply = httpx.post(f"{url}/v1/completions", timeout=10,
+        reply = httpx.post(f"{url}/v1/completions", timeout=STARTUP_ANSWER_S,
                            json={"model": SMALL_ENGINE["model"], "prompt": "hi", "max_tokens": 1})
     except httpx.ConnectError:
         return "refused", None, {}, ""
