@@ -148,6 +148,19 @@ def choose_general_splits(num_tokens: int, num_seqs: int, block_q: int, num_kv_h
     return splits_for_grid(programs, keys, _device_sms(device), MIN_KEYS_PER_GENERAL_SPLIT, MAX_GENERAL_SPLITS)
 
 
+def split_warm_up_lengths(max_len: int) -> list[int]:
+    """Key counts at which one short sequence (a decode row, or a 2-token chunk: the fewest programs)
+    makes either kernel pick each split count it can pick for sequences up to max_len: the count is
+    the smaller of what the grid leaves (largest for that one sequence) and keys // 256, rounded up
+    to a power of two, so keys of 256 x 2^k, and max_len itself, reach them all. A warm-up running
+    these compiles every variant before the first request (a count first met under load compiles
+    there, for ~1 s of the step it is in)."""
+    assert MIN_TOKENS_PER_SPLIT == MIN_KEYS_PER_GENERAL_SPLIT  # one ladder serves both kernels
+    top = max(MAX_SPLITS, MAX_GENERAL_SPLITS) * MIN_TOKENS_PER_SPLIT
+    ladder = [MIN_TOKENS_PER_SPLIT << k for k in range(top.bit_length()) if MIN_TOKENS_PER_SPLIT << k <= top]
+    return sorted({min(n, max_len) for n in ladder} | {max(2, min(max_len, top))})
+
+
 def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]

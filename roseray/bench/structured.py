@@ -83,6 +83,9 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[
                         results.append({"index": i, **_result(response)})
                     bar.update()
 
+            # every client connected before the clock starts, as a long-running app's are (opening 256
+            # connections at once otherwise staggers the first requests' arrival over the run's start)
+            await asyncio.gather(*[client.get("/v1/models") for _ in range(concurrency)])
             before = await _engine_counters(client)
             started = time.monotonic()
             await asyncio.gather(*[worker() for _ in range(concurrency)])

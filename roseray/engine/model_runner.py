@@ -174,6 +174,7 @@ class ModelRunner:
         kernels are compiled before the first request rather than during it."""
         if self.device.type != "cuda":
             return
+        from roseray_kernels.paged_attention import split_warm_up_lengths  # Triton is optional on CPU
         started = time.perf_counter()
         budget = min(self.config.max_num_batched_tokens, self.max_model_len)
         cap = lambda n: max(1, min(n, self.max_model_len))  # noqa: E731 - positions must stay in range
@@ -182,6 +183,12 @@ class ModelRunner:
         mixed = [cap(40), cap(300), cap(38), long_len]  # decodes + chunks on a cached prefix
         self._dummy_forward([1, 1, min(5, mixed[2]), max(1, long_len // 2)], mixed)
         self._dummy_forward([1] * 5, [cap(n) for n in (1, 17, 100, 1000, 7)])  # decode, eager
+        # every split-KV count a mixed step (and, without graphs, a decode step) can pick: each is
+        # its own compile, which the first step to need it would otherwise wait for
+        for keys in split_warm_up_lengths(self.max_model_len):
+            self._dummy_forward([min(2, keys)], [keys])
+            if self.config.enforce_eager:
+                self._dummy_forward([1], [keys])
         # What a step runs outside the graphs, at every decode batch size (lm_head GEMM, argmax, the
         # in-flight fill): kernels differ by size, and CUDA loads a kernel's module at its first
         # launch, which would otherwise land inside the first requests' TTFT.
