@@ -68,10 +68,13 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[
         queue.put_nowait(i)
     results: list[dict] = []
     label = f"{'json' if constrained else 'free'} x{concurrency}"
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=TIMEOUT_S, limits=limits) as client:
+    # a client (and connection) per worker: httpx's shared pool scans every connection for each
+    # request, which at 256 connections kept the client itself from sending at the closed loop's pace
+    one = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    clients = [httpx.AsyncClient(base_url=args.base_url, timeout=TIMEOUT_S, limits=one) for _ in range(concurrency)]
+    try:
         with tqdm(total=num_requests, desc=label, leave=False) as bar:
-            async def worker() -> None:
+            async def worker(client: httpx.AsyncClient) -> None:
                 while not queue.empty():
                     i = queue.get_nowait()
                     try:
@@ -85,12 +88,14 @@ async def run_level(args, concurrency: int, constrained: bool, max_tokens: list[
 
             # every client connected before the clock starts, as a long-running app's are (opening 256
             # connections at once otherwise staggers the first requests' arrival over the run's start)
-            await asyncio.gather(*[client.get("/v1/models") for _ in range(concurrency)])
-            before = await _engine_counters(client)
+            await asyncio.gather(*[client.get("/v1/models") for client in clients])
+            before = await _engine_counters(clients[0])
             started = time.monotonic()
-            await asyncio.gather(*[worker() for _ in range(concurrency)])
+            await asyncio.gather(*[worker(client) for client in clients])
             seconds = time.monotonic() - started
-            after = await _engine_counters(client)
+            after = await _engine_counters(clients[0])
+    finally:
+        await asyncio.gather(*[client.aclose() for client in clients])
     ok = [r for r in results if r["status"] == 200]
     failed = [r for r in results if r["status"] != 200]
     if constrained:  # checked once the clock stopped: the client's own work would delay its next requests

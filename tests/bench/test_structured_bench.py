@@ -3,9 +3,14 @@ loader, and the structured client against a real server measures valid constrain
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from types import SimpleNamespace
 
 import jsonschema
+import uvicorn
+from fastapi import FastAPI, Request
 
 from roseray.bench import json_tokenizer, structured
 from roseray.config import EngineConfig
@@ -13,6 +18,7 @@ from roseray.models.loader import load_model_config
 from roseray.tokenizer import load_tokenizer
 from tests.models.hf_models import make_tiny_model
 from tests.openai_api.helpers import serving
+from tests.waiting import wait_until
 
 
 def test_json_tokenizer_spells_json_and_ends_both_engines_at_its_eos(tmp_path):
@@ -58,3 +64,44 @@ def test_structured_client_counts_only_outputs_that_parse_and_validate():
     assert not structured._valid(validator, json.dumps({"records": [record] * 7}))  # minItems 8
     assert not structured._valid(validator, json.dumps({"records": [{**record, "id": -1}] * 8}))
     assert not structured._valid(validator, '{"records": [')  # cut by max_tokens
+
+
+def test_the_client_keeps_every_request_of_its_closed_loop_in_flight():
+    """256 clients against a server that answers each request after 0.2 s: all 256 are in flight at
+    once, each on its own connection, and two rounds take about 0.4 s (a shared httpx pool scans
+    every connection per request: at 256 it held the loop to a fraction of that concurrency)."""
+    concurrency, delay_s = 256, 0.2
+    in_flight, peak, peers = 0, 0, set()
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "stub"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        nonlocal in_flight, peak
+        body = await request.json()
+        peers.add((request.client.host, request.client.port))
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(delay_s)
+        in_flight -= 1
+        return {"choices": [{"finish_reason": "length", "message": {"content": "x"}}],
+                "usage": {"completion_tokens": body["max_tokens"]}}
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), timeout=30, message="uvicorn started")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    args = SimpleNamespace(base_url=f"http://127.0.0.1:{port}", model="stub", temperature=1.0, compact=False,
+                           requests_per_client=2)
+    try:
+        row, lengths = asyncio.run(structured.run_level(args, concurrency, False, [5] * (2 * concurrency)))
+    finally:
+        server.should_exit = True
+        thread.join(15)
+    assert row["completed"] == 2 * concurrency and row["output_tokens"] == 5 * 2 * concurrency
+    assert peak == concurrency and len(peers) == concurrency
+    assert row["seconds"] < 10 * 2 * delay_s, row["seconds"]  # 0.4 s at best; the shared pool took ~10 s
