@@ -7,7 +7,8 @@ gaps do not count) of one decoder layer's four projections (q|k|v, o, gate|up, d
 (torch's F.linear, cuBLAS) and through roseray_kernels.fp8_gemm.fp8_linear (the path it picks for
 M), and each fp8 path alone: the weight-streaming W8A16 Triton kernel, the per-token quantize
 + cuBLASLt row-wise fp8 GEMM (W8A8), and the same quantize + roseray's fp8 x fp8 Triton kernel
-(W8A8 Triton). The W8A16_MAX_ROWS crossover is read from these.
+(W8A8 Triton), and the per-token quantization of the four inputs alone (what the W8A8 paths pay
+before their GEMMs). The W8A16_MAX_ROWS crossover is read from these.
 --sweep times W8A16 tile shapes at SWEEP_ROWS rows and W8A8 Triton tiles at SWEEP_W8A8_ROWS,
 and prints the best against the default.
 """
@@ -31,7 +32,7 @@ from roseray_kernels.fp8_gemm import (
     fp8_w8a8_triton,
     fp8_w8a16,
 )
-from roseray_kernels.fp8_quant import quantize_per_channel
+from roseray_kernels.fp8_quant import quantize_per_channel, quantize_per_token
 
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 4096)
@@ -64,7 +65,7 @@ def run(rows_csv: str, sweep: bool, out: str | None) -> int:
         weights[name] = (w, *quantize_per_channel(w))
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  W8A16_MAX_ROWS={W8A16_MAX_ROWS}")
     print(f"{'rows':>5} {'bf16 us':>9} {'fp8 us':>9} {'speedup':>8} {'w8a16 us':>9} {'w8a8 us':>9} "
-          f"{'w8a8-triton us':>14}  (one Llama-8B layer)")
+          f"{'w8a8-triton us':>14} {'quantize us':>11}  (one Llama-8B layer)")
     results = []
     for rows in rows_list:
         bf16 = _layer_us(lambda x, w: torch.nn.functional.linear(x, w[0]), weights, rows, device)
@@ -72,9 +73,11 @@ def run(rows_csv: str, sweep: bool, out: str | None) -> int:
         w8a16 = _layer_us(lambda x, w: fp8_w8a16(x, w[1], w[2]), weights, rows, device)
         w8a8 = _layer_us(lambda x, w: fp8_w8a8(x, w[1], w[2].view(1, -1)), weights, rows, device)
         w8a8_triton = _layer_us(lambda x, w: fp8_w8a8_triton(x, w[1], w[2]), weights, rows, device)
+        quantize = _layer_us(lambda x, w: quantize_per_token(x), weights, rows, device)
         results.append(dict(rows=rows, bf16_us=bf16, fp8_us=fp8, w8a16_us=w8a16, w8a8_us=w8a8,
-                            w8a8_triton_us=w8a8_triton))
-        print(f"{rows:5d} {bf16:9.1f} {fp8:9.1f} {bf16 / fp8:8.2f} {w8a16:9.1f} {w8a8:9.1f} {w8a8_triton:14.1f}")
+                            w8a8_triton_us=w8a8_triton, quantize_us=quantize))
+        print(f"{rows:5d} {bf16:9.1f} {fp8:9.1f} {bf16 / fp8:8.2f} {w8a16:9.1f} {w8a8:9.1f} {w8a8_triton:14.1f} "
+              f"{quantize:11.1f}")
     if sweep:
         _sweep(weights, SWEEP_ROWS, device)
         _sweep_w8a8(weights, device)
