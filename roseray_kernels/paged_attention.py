@@ -156,9 +156,9 @@ def split_warm_up_lengths(max_len: int) -> list[int]:
     these compiles every variant before the first request (a count first met under load compiles
     there, for ~1 s of the step it is in)."""
     assert MIN_TOKENS_PER_SPLIT == MIN_KEYS_PER_GENERAL_SPLIT  # one ladder serves both kernels
-    top = max(MAX_SPLITS, MAX_GENERAL_SPLITS) * MIN_TOKENS_PER_SPLIT
-    ladder = [MIN_TOKENS_PER_SPLIT << k for k in range(top.bit_length()) if MIN_TOKENS_PER_SPLIT << k <= top]
-    return sorted({min(n, max_len) for n in ladder} | {max(2, min(max_len, top))})
+    most = max(MAX_SPLITS, MAX_GENERAL_SPLITS)  # a power of two: the ladder's top is 256 x most
+    ladder = {min(MIN_TOKENS_PER_SPLIT << k, max_len) for k in range(most.bit_length())}
+    return sorted(ladder | {max(2, min(max_len, most * MIN_TOKENS_PER_SPLIT))})
 
 
 def _check(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:

@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 from types import SimpleNamespace
 
 import jsonschema
-import uvicorn
 from fastapi import FastAPI, Request
 
 from roseray.bench import json_tokenizer, structured
@@ -18,8 +16,7 @@ from roseray.config import EngineConfig
 from roseray.models.loader import load_model_config
 from roseray.tokenizer import load_tokenizer
 from tests.models.hf_models import make_tiny_model
-from tests.openai_api.helpers import serving
-from tests.waiting import wait_until
+from tests.openai_api.helpers import serving, uvicorn_on_loopback
 
 
 def test_json_tokenizer_spells_json_and_ends_both_engines_at_its_eos(tmp_path):
@@ -95,18 +92,10 @@ def test_the_client_keeps_every_request_of_its_closed_loop_in_flight():
         return {"choices": [{"finish_reason": "length", "message": {"content": "x"}}],
                 "usage": {"completion_tokens": body["max_tokens"]}}
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started or not thread.is_alive(), timeout=30, message="uvicorn started")
-    port = server.servers[0].sockets[0].getsockname()[1]
-    args = SimpleNamespace(base_url=f"http://127.0.0.1:{port}", model="stub", temperature=1.0, compact=False,
-                           requests_per_client=2)
-    try:
+    with uvicorn_on_loopback(app) as port:
+        args = SimpleNamespace(base_url=f"http://127.0.0.1:{port}", model="stub", temperature=1.0, compact=False,
+                               requests_per_client=2)
         row, lengths = asyncio.run(structured.run_level(args, concurrency, False, [5] * (2 * concurrency)))
-    finally:
-        server.should_exit = True
-        thread.join(15)
     assert row["completed"] == 2 * concurrency and row["output_tokens"] == 5 * 2 * concurrency
     assert len(lengths) == 2 * concurrency
     assert peak == concurrency and len(peers) == concurrency

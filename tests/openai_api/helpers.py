@@ -37,15 +37,21 @@ def serving(config: EngineConfig, step_delay_s: float = 0.0, request_guard=None,
         llm.engine.step = slow_step
     app = create_app(engine, ServerConfig(**{"drain_timeout_s": 1.0, **settings}), replica_name=REPLICA,
                      request_guard=request_guard)
+    with uvicorn_on_loopback(app) as port:
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, engine=engine, tokenizer=llm.tokenizer,
+                              app=app)
+
+
+@contextlib.contextmanager
+def uvicorn_on_loopback(app):
+    """Serve an ASGI app with uvicorn on a thread, on a free loopback port (yielded); stopped on exit."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive(), timeout=30, message="uvicorn started")
     assert server.started, "uvicorn did not start"
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, engine=engine, tokenizer=llm.tokenizer,
-                              app=app)
+        yield server.servers[0].sockets[0].getsockname()[1]
     finally:
         server.should_exit = True
         thread.join(15)
