@@ -19,6 +19,7 @@ Both are CUDA-graph capturable (the path is chosen from shapes, never from data)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -142,24 +143,53 @@ def fp8_w8a8_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     return _launch(x_q, x_scale, weight, weight_scale, bias, out, tile)
 
 
+class QuantizedRows(NamedTuple):
+    """Activations already quantized per token (fp8_quant's format) by the op before the layer, e.g.
+    `fused_norm.rmsnorm_fp8`: the W8A8 path then starts at its GEMM."""
+
+    q: torch.Tensor  # [M, K] e4m3
+    scale: torch.Tensor  # [M, 1] fp32
+    dtype: torch.dtype  # of the activations they stand for (the layer's output dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def takes_quantized_rows(num_rows: int, dtype: torch.dtype, weight_shape: tuple[int, int]) -> bool:
+    """The W8A8 path (per-token quantization, cuBLASLt): bf16 steps past W8A16_MAX_ROWS, for
+    weights whose sizes cuBLASLt's fp8 GEMM takes."""
+    n, k = weight_shape
+    return num_rows > W8A16_MAX_ROWS and dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+
+
+def fp8_scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale_row: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLASLt's fp8 GEMM with row-wise scales: x's per token [M, 1], the weight's as [1, N]."""
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale_row, out_dtype=out_dtype,
+                           use_fast_accum=FAST_ACCUM)
+    return out if bias is None else out.add_(bias)
+
+
 def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale_row: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """x quantized per token, then cuBLASLt's fp8 GEMM with row-wise scales (bf16 out).
     weight_scale_row is the weight scale as [1, N]."""
     x_q, x_scale = quantize_per_token(x)
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale_row, out_dtype=x.dtype,
-                           use_fast_accum=FAST_ACCUM)
-    return out if bias is None else out.add_(bias)
+    return fp8_scaled_mm(x_q, x_scale, weight, weight_scale_row, bias, x.dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] -> [..., N] on the path for its row count (module docstring)."""
+    """x [..., K] -> [..., N] on the path for its row count (module docstring); QuantizedRows
+    (only where takes_quantized_rows) go straight to the GEMM."""
+    n, k = weight.shape
+    if isinstance(x, QuantizedRows):
+        return fp8_scaled_mm(x.q, x.scale, weight, weight_scale.view(1, n), bias, x.dtype)
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    n, k = weight.shape
-    if rows.shape[0] > W8A16_MAX_ROWS and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
+    if takes_quantized_rows(rows.shape[0], x.dtype, (n, k)):
         out = fp8_w8a8(rows, weight, weight_scale.view(1, n), bias)
     else:
         out = fp8_w8a16(rows, weight, weight_scale, bias)

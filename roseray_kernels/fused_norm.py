@@ -30,6 +30,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
 
 @triton.jit
 def _load_rows(x_ptr, residual_ptr, residual_out_ptr, num_rows, stride_x, stride_res,
@@ -60,10 +62,14 @@ def _rmsnorm_kernel(
     stride_x,
     stride_res,
     eps,
+    scale_ptr,  # [num_rows] fp32 with QUANT: each row's e4m3 scale (else unused)
     HIDDEN: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next power of two of HIDDEN
     ROWS: tl.constexpr,  # rows per program
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,  # out is e4m3: the normed row (in x's dtype) quantized per row, as fp8_quant does
+    FP8_MAX_VALUE: tl.constexpr,
+    MIN_SCALE_VALUE: tl.constexpr,
 ):
     x, rows, cols, col_ok, mask = _load_rows(x_ptr, residual_ptr, residual_out_ptr, num_rows, stride_x, stride_res,
                                              HIDDEN, BLOCK_H, ROWS, HAS_RESIDUAL)
@@ -72,7 +78,15 @@ def _rmsnorm_kernel(
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HIDDEN + eps)  # [ROWS]
     normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], (normed * weight[None, :]).to(dtype), mask=mask)
+    out = (normed * weight[None, :]).to(dtype)
+    if QUANT:
+        outf = tl.where(mask, out.to(tl.float32), 0.0)
+        scale = tl.maximum(tl.max(tl.abs(outf), axis=1) / FP8_MAX_VALUE, MIN_SCALE_VALUE)  # [ROWS]
+        q = tl.minimum(tl.maximum(outf / scale[:, None], -FP8_MAX_VALUE), FP8_MAX_VALUE)
+        tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
+    else:
+        tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], out, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -121,13 +135,15 @@ def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
 
 
 def _launch_norm(kernel, x: torch.Tensor, params: tuple[torch.Tensor, ...], eps: float,
-                 residual: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Run `kernel` (x, residual, *params, out, residual_out, ...) over the rows of x."""
+                 residual: torch.Tensor | None, out: torch.Tensor | None = None,
+                 **kernel_args) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Run `kernel` (x, residual, *params, out, residual_out, ..., **kernel_args) over the rows of x;
+    `out` (shaped like x) defaults to a new tensor in x's dtype."""
     hidden = x.shape[-1]
     assert all(p.shape == (hidden,) for p in params), ([p.shape for p in params], x.shape)
     x2 = _rows(x, hidden)
     num_rows = x2.shape[0]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     if residual is None:
         res2, residual_out = x2, out  # unused by the kernel
     else:
@@ -139,6 +155,7 @@ def _launch_norm(kernel, x: torch.Tensor, params: tuple[torch.Tensor, ...], eps:
         kernel[(triton.cdiv(num_rows, rows),)](
             x2, res2, *params, out, residual_out, num_rows, x2.stride(0), res2.stride(0), eps,
             HIDDEN=hidden, BLOCK_H=block_h, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+            **kernel_args,
         )
     return out if residual is None else (out, residual_out)
 
@@ -150,7 +167,25 @@ def rmsnorm(
     residual: torch.Tensor | None = None,  # same shape as x
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x) * weight; with `residual`, (norm(x + residual) * weight, x + residual). One launch."""
-    return _launch_norm(_rmsnorm_kernel, x, (weight,), eps, residual)
+    return _launch_norm(_rmsnorm_kernel, x, (weight,), eps, residual, scale_ptr=x, QUANT=False,
+                        FP8_MAX_VALUE=FP8_MAX, MIN_SCALE_VALUE=MIN_SCALE)
+
+
+def rmsnorm_fp8(
+    x: torch.Tensor,  # [num_rows, hidden], bf16/fp16
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # same shape as x
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`quantize_per_token(rmsnorm(x, weight, eps))` in one launch: (e4m3 [num_rows, hidden], fp32
+    scale [num_rows, 1]), the very values of the two steps (the norm rounds to x's dtype before it is
+    quantized); with `residual`, ((q, scale), x + residual)."""
+    assert x.dim() == 2, x.shape
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    result = _launch_norm(_rmsnorm_kernel, x, (weight,), eps, residual, out=q, scale_ptr=scale, QUANT=True,
+                          FP8_MAX_VALUE=FP8_MAX, MIN_SCALE_VALUE=MIN_SCALE)
+    return (q, scale) if residual is None else ((q, scale), result[1])
 
 
 def layernorm(

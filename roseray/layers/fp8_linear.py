@@ -126,7 +126,8 @@ class Fp8Linear(nn.Module):
     # ------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        """x [..., K], or the rows its norm quantized already (fused.QuantizedRows: the kernel path)."""
+        if isinstance(x, fused.QuantizedRows) or x.is_cuda:
             return fused.fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return fused.fp8_linear_reference(x, self.weight, self.weight_scale, self.bias)
 

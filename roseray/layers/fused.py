@@ -15,10 +15,10 @@ import torch
 
 try:
     from roseray_kernels.activation import gelu_tanh_and_mul, silu_and_mul
-    from roseray_kernels.fp8_gemm import fp8_linear, fp8_linear_reference
+    from roseray_kernels.fp8_gemm import QuantizedRows, fp8_linear, fp8_linear_reference, takes_quantized_rows
     from roseray_kernels.fp8_quant import quantize_per_channel
     from roseray_kernels.fused_moe import fused_moe
-    from roseray_kernels.fused_norm import layernorm, rmsnorm
+    from roseray_kernels.fused_norm import layernorm, rmsnorm, rmsnorm_fp8
     from roseray_kernels.rotary import rotary_qk_
     from roseray_kernels.sampling import gumbel_max_sample, variant_row_counts
     from roseray_kernels.token_bitmask import apply_token_bitmask_
@@ -28,10 +28,11 @@ except ImportError:  # Triton is not installed (not Linux): the torch paths need
     silu_and_mul = gelu_tanh_and_mul = layernorm = rmsnorm = rotary_qk_ = gumbel_max_sample = None
     variant_row_counts = apply_token_bitmask_ = fused_moe = None
     fp8_linear = fp8_linear_reference = quantize_per_channel = None  # fp8 weights need Triton's package
+    QuantizedRows = takes_quantized_rows = rmsnorm_fp8 = None
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "apply_token_bitmask_", "fp8_linear", "fp8_linear_reference", "fused_moe",
-           "gelu_tanh_and_mul", "gumbel_max_sample", "quantize_per_channel",
+__all__ = ["HAVE_TRITON", "QuantizedRows", "apply_token_bitmask_", "fp8_linear", "fp8_linear_reference", "fused_moe",
+           "gelu_tanh_and_mul", "gumbel_max_sample", "quantize_per_channel", "rmsnorm_fp8", "takes_quantized_rows",
            "variant_row_counts", "layernorm", "rmsnorm", "rotary_qk_", "silu_and_mul", "fused_kernels", "use_triton"]
 
 _OVERRIDE: bool | None = None  # set by fused_kernels(): True/False everywhere, None = CUDA tensors only

@@ -30,11 +30,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))  # [hidden_size]
+        # the weight shape of the one Fp8Linear that reads this norm's output (set at load,
+        # roseray.models.fp8_checkpoint.link_fp8_norms): where that layer would quantize the rows
+        # itself, this norm's launch does it (fused.QuantizedRows)
+        self.fp8_consumer: tuple[int, int] | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if fused.use_triton(x):
+            if self.fp8_consumer is not None and x.dim() == 2 and \
+                    fused.takes_quantized_rows(x.shape[0], x.dtype, self.fp8_consumer):
+                return self._quantized(x, residual)
             return fused.rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
@@ -50,6 +57,12 @@ class RMSNorm(nn.Module):
         if fused_result is not None:
             return fused_result
         return self.forward(all_reduce(partial), residual)
+
+    def _quantized(self, x: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            return fused.QuantizedRows(*fused.rmsnorm_fp8(x, self.weight, self.eps), x.dtype)
+        (q, scale), residual = fused.rmsnorm_fp8(x, self.weight, self.eps, residual)
+        return fused.QuantizedRows(q, scale, x.dtype), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype

@@ -38,6 +38,7 @@ from torch import nn
 from roseray.layers import fused
 from roseray.layers.fp8_linear import Fp8Linear
 from roseray.layers.moe import FusedMoE
+from roseray.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
 logger = logging.getLogger(__name__)
 
@@ -208,3 +209,23 @@ def quantize_linears(model: nn.Module) -> int:
             module.quantize_fp8()
             count += 1
     return count
+
+
+def link_fp8_norms(model: nn.Module) -> int:
+    """Each Llama-family norm whose output only an Fp8Linear reads (the q|k|v projection after
+    input_layernorm, gate|up after post_attention_layernorm) quantizes that output per token in its
+    own launch, where the layer would have quantized it (RMSNorm.fp8_consumer). Returns the norms linked."""
+    linked = 0
+    for layer in model.modules():
+        if not isinstance(layer, LlamaDecoderLayer):
+            continue
+        pairs = []
+        if type(layer.self_attn) is LlamaAttention:
+            pairs.append((layer.input_layernorm, layer.self_attn.qkv_proj))
+        if type(layer.mlp) is LlamaMLP:
+            pairs.append((layer.post_attention_layernorm, layer.mlp.gate_up_proj))
+        for norm, linear in pairs:
+            if isinstance(linear, Fp8Linear):
+                norm.fp8_consumer = tuple(linear.weight.shape)
+                linked += 1
+    return linked

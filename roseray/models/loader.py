@@ -189,6 +189,8 @@ def load_model(
         model.load_weights(iterate_safetensors(safetensors_files(path), device))
         if quantization == "fp8":
             _log_fp8("the checkpoint, quantized at load", fp8_checkpoint.quantize_linears(model), model_config)
+    if scheme is not None or quantization == "fp8":
+        fp8_checkpoint.link_fp8_norms(model)
     return model.eval()
 
 

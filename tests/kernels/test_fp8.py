@@ -12,9 +12,11 @@ import torch
 
 from roseray_kernels.fp8_gemm import (
     W8A16_MAX_ROWS,
+    QuantizedRows,
     W8A16Tile,
     fp8_linear,
     fp8_linear_reference,
+    fp8_scaled_mm,
     fp8_w8a8,
     fp8_w8a8_triton,
     fp8_w8a16,
@@ -26,6 +28,7 @@ from roseray_kernels.fp8_quant import (
     quantize_per_token,
     quantize_per_token_reference,
 )
+from roseray_kernels.fused_norm import rmsnorm, rmsnorm_fp8
 from tests.kernels.helpers import rel_err
 
 ON_CUDA = torch.cuda.is_available()
@@ -124,3 +127,35 @@ def test_fp8_linear_llama8b_shapes_on_gpu(n, k, rows):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert rel_err(captured, fp8_linear_reference(x.float(), q, scale)) < 0.06
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows, hidden", [(1, 48), (19, 64), (40, 96)])
+def test_the_norm_that_quantizes_gives_the_two_steps_values(rows, hidden, with_residual):
+    """rmsnorm_fp8 = quantize_per_token(rmsnorm(...)), bit for bit (the norm's output is rounded to
+    the activations' dtype before either quantizes it), with the residual sum as rmsnorm's."""
+    dtype = torch.bfloat16 if ON_CUDA else torch.float32
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, hidden, generator=gen) * torch.logspace(-2, 2, rows)[:, None]).to(DEVICE, dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(DEVICE, dtype) if with_residual else None
+    weight = torch.randn(hidden, generator=gen).to(DEVICE, dtype)
+    x[0, :5] = 0.0
+    fused_result = rmsnorm_fp8(x, weight, 1e-6, residual)
+    two_steps = rmsnorm(x, weight, 1e-6, residual)
+    (q, scale), normed = (fused_result, two_steps) if residual is None else (fused_result[0], two_steps[0])
+    if residual is not None:
+        torch.testing.assert_close(fused_result[1], two_steps[1], atol=0, rtol=0)
+    want_q, want_scale = quantize_per_token(normed)
+    assert q.dtype == FP8_DTYPE and scale.shape == (rows, 1)
+    torch.testing.assert_close(scale, want_scale, atol=0, rtol=0)
+    assert torch.equal(q.float(), want_q.float())
+
+
+def test_quantized_rows_go_straight_to_the_gemm():
+    """fp8_linear of QuantizedRows = fp8_linear of the rows they quantize (the W8A8 path)."""
+    x, weight, weight_scale, bias = _linear_case(24, 32, 64, True, torch.float32)
+    rows_q, rows_scale = quantize_per_token(x)
+    want = fp8_scaled_mm(rows_q, rows_scale, weight, weight_scale.view(1, -1), bias, torch.float32)
+    got = fp8_linear(QuantizedRows(rows_q, rows_scale, torch.float32), weight, weight_scale, bias)
+    assert torch.equal(got, want)
+    assert rel_err(got, fp8_linear_reference(x, weight, weight_scale, bias)) < 0.1  # e4m3 activations

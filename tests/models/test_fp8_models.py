@@ -29,7 +29,9 @@ from roseray.config import EngineConfig
 from roseray.distributed import TensorParallel
 from roseray.layers.fp8_linear import Fp8Linear
 from roseray.layers.moe import FusedMoE
+from roseray.layers.norms import RMSNorm
 from roseray.models import loader
+from roseray.models.llama import LlamaDecoderLayer, LlamaMLP
 from roseray.models.loader import load_model_config
 from roseray_kernels.fp8_quant import FP8_DTYPE
 from tests.models.fp8_checkpoints import FORMATS, write_fp8_checkpoint
@@ -86,6 +88,25 @@ def test_dynamic_quantization_makes_every_decoder_linear_fp8(source):
     assert fp8 and not plain, plain
     assert all(m.weight.dtype == FP8_DTYPE and m.weight_scale.shape == (m.out_features,) for m in fp8.values())
     assert not any(isinstance(m, Fp8Linear) for name, m in model.named_modules() if name.endswith("lm_head"))
+
+
+def test_llama_family_norms_quantize_for_their_fp8_projection(source, tiny_checkpoint):
+    """Each Llama-family layer's two norms hand their fp8 projection (q|k|v, gate|up) its rows
+    quantized (RMSNorm.fp8_consumer, their weight shape); norms read by anything else do not."""
+    kind, path = source
+    model = LLM(str(path), device="cpu", dtype="float32", quantization="fp8").engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+    assert layers
+    for layer in layers:
+        assert layer.input_layernorm.fp8_consumer == tuple(layer.self_attn.qkv_proj.weight.shape)
+        assert layer.post_attention_layernorm.fp8_consumer == tuple(layer.mlp.gate_up_proj.weight.shape)
+    moe = LLM(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32", quantization="fp8").engine.runner.model
+    moe_layers = [m for m in moe.modules() if isinstance(m, LlamaDecoderLayer)]
+    sparse = [layer for layer in moe_layers if not isinstance(layer.mlp, LlamaMLP)]
+    assert sparse and all(layer.input_layernorm.fp8_consumer is not None for layer in moe_layers)
+    assert all(layer.post_attention_layernorm.fp8_consumer is None for layer in sparse)  # the router reads it
+    bf16 = LLM(str(path), device="cpu", dtype="float32").engine.runner.model
+    assert all(m.fp8_consumer is None for m in bf16.modules() if isinstance(m, RMSNorm))
 
 
 def test_per_channel_checkpoint_equals_dynamic_path_and_transformers(source, tmp_path):

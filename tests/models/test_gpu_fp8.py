@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from roseray import LLM, SamplingParams
+from roseray.models import fp8_checkpoint
 from tests.models.fp8_checkpoints import bf16_rounded_copy, write_fp8_checkpoint
 from tests.models.gpu_helpers import generate_and_free, greedy_report
 
@@ -86,3 +87,16 @@ def test_fp8_moe_checkpoints_load_like_the_dynamic_path(kind, tiny_checkpoint, t
     block, bf16 = reports["block"], reports["bf16"]
     assert block["first_token_logprob_max_abs_err"] < 0.3, block
     assert block["greedy_agreement"] >= 0.5 * bf16["greedy_agreement"], (block, bf16)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_norms_that_quantize_change_no_output(kind, tiny_checkpoint, monkeypatch):
+    """The norms' fused per-token quantization (RMSNorm.fp8_consumer; 32-row steps take the W8A8
+    path) gives the very tokens and log-probabilities of the projections quantizing their rows."""
+    path = tiny_checkpoint(kind)
+    batch = prompts()
+    fused_norms = run(path, batch, quantization="fp8")
+    monkeypatch.setattr(fp8_checkpoint, "link_fp8_norms", lambda model: 0)
+    separate = run(path, batch, quantization="fp8")
+    assert [o.token_ids for o in fused_norms] == [o.token_ids for o in separate]
+    assert [o.logprobs for o in fused_norms] == [o.logprobs for o in separate]
