@@ -12,7 +12,7 @@ from concurrent.futures import Executor, Future
 import pytest
 import xgrammar as xgr
 
-from roseray.engine import structured_requests
+from roseray.engine import structured_output, structured_requests
 from roseray.engine.structured_requests import GRAMMAR_THREAD
 from roseray.llm import LLM
 from roseray.sampling_params import SamplingParams, StructuredOutputs
@@ -41,7 +41,7 @@ class InlineExecutor(Executor):
 def xgrammar_callers(monkeypatch):
     """The names of the threads that call xgrammar's batch accept and batch fill."""
     callers = {"accept": set(), "fill": set()}
-    accept, fill = xgr.BatchGrammarMatcher.batch_accept_token, xgr.BatchGrammarMatcher.batch_fill_next_token_bitmask
+    accept, fill = structured_output.batch_accept_token, xgr.BatchGrammarMatcher.batch_fill_next_token_bitmask
 
     def recording_accept(*args, **kwargs):
         callers["accept"].add(threading.current_thread().name)
@@ -51,7 +51,7 @@ def xgrammar_callers(monkeypatch):
         callers["fill"].add(threading.current_thread().name)
         return fill(self, *args, **kwargs)
 
-    monkeypatch.setattr(xgr.BatchGrammarMatcher, "batch_accept_token", staticmethod(recording_accept))
+    monkeypatch.setattr(structured_output, "batch_accept_token", recording_accept)
     monkeypatch.setattr(xgr.BatchGrammarMatcher, "batch_fill_next_token_bitmask", recording_fill)
     return callers
 
@@ -126,7 +126,8 @@ def test_a_grammar_engine_error_fails_the_step_not_the_engine(monkeypatch, faili
     llm = LLM("random:tiny", max_num_batched_tokens=64, seed=3, async_scheduling=True)
     engine = llm.engine
     llm.generate(["warm"], _params(1), use_tqdm=False)
-    original = getattr(xgr.BatchGrammarMatcher, failing)
+    owner = structured_output if failing == "batch_accept_token" else xgr.BatchGrammarMatcher
+    original = getattr(owner, failing)
     calls = 0
 
     def fails_once(*args, **kwargs):  # the third call, mid-stream
@@ -136,8 +137,7 @@ def test_a_grammar_engine_error_fails_the_step_not_the_engine(monkeypatch, faili
             raise RuntimeError("xgrammar failed")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(xgr.BatchGrammarMatcher, failing,
-                        staticmethod(fails_once) if failing == "batch_accept_token" else fails_once)
+    monkeypatch.setattr(owner, failing, fails_once)
     outputs = llm.generate(["one", "two", "three"], [_params(1), _params(3), _params(2)], use_tqdm=False)
     assert calls >= 3, "the grammar engine did not fail"
     assert [o.outputs[0].finish_reason for o in outputs[:2]] == ["error", "error"]
