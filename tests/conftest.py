@@ -2,11 +2,18 @@
 variable must be set before anything imports triton (transformers does, via torch)."""
 
 import os
+import signal
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A background job of a non-interactive shell (`bash .ci/run &`) starts with SIGINT ignored, and
+# every process it starts inherits that: the Ctrl-C tests' servers would never see theirs (they
+# exited 0, not 130). The suite takes SIGINT as Python does, so its children do too.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 
