@@ -60,6 +60,8 @@ ENGINE_ARG_HELP = {
     "kv_cache_dtype": "auto: the KV cache in the model's dtype; fp8: e4m3 with a scale per layer, twice the tokens",
     "tensor_parallel_size": "GPUs one engine replica spans (its layers and MoE experts sharded across them; every "
                             "family but GPT-2); on CPU, processes over gloo",
+    "grammar_workers": "processes that run the grammar matchers of structured outputs (each step's token accept "
+                       "and next-token mask), beside the engine (default: a quarter of the CPU cores, 1 to 4)",
     "kv_cache_scale": "fp8 KV cache: the scale of every layer's K and V (stored = value / scale; default: the "
                       "checkpoint's k_scale/v_scale, else 1.0)",
 }

@@ -11,6 +11,7 @@ to the model and the runner. Environment variables are read in roseray/envs.py, 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,8 @@ class EngineConfig:
     kv_cache_scale: float | None = None
     # one engine replica across this many GPUs (ranks 1.. are worker processes; every family but GPT-2 shards)
     tensor_parallel_size: int = 1
+    # processes that hold the constrained requests' grammar matchers (None: a quarter of the cores, 1 to 4)
+    grammar_workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -93,6 +96,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1; got {self.tensor_parallel_size}")
+        if self.grammar_workers is not None and self.grammar_workers < 1:
+            raise ValueError(f"grammar_workers must be >= 1; got {self.grammar_workers}")
         if self.kv_cache_scale is not None and not self.kv_cache_scale > 0:
             raise ValueError(f"kv_cache_scale must be > 0; got {self.kv_cache_scale}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
@@ -136,6 +141,13 @@ class EngineConfig:
         if model is not None:
             kwargs["model"] = model
         return cls(**kwargs)
+
+    def resolve_grammar_workers(self) -> int:
+        """A quarter of the host's cores, 1 to 4, unless set: beside the engine, its API processes
+        and the GPU's own host threads."""
+        if self.grammar_workers is not None:
+            return self.grammar_workers
+        return max(1, min(4, (os.cpu_count() or 2) // 4))
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -46,7 +46,7 @@ class LaunchedStep:
     chunks: list[Request]  # requests the step computed a prefill chunk for without sampling
     output_index: list[int]  # where each sampled token goes in its request's output
     constrained: bool  # some sampling request has a grammar: its mask needs the previous step's tokens
-    grammar_mask: PendingMask | None = None  # being filled on the grammar thread; joined when it samples
+    grammar_mask: PendingMask | None = None  # being filled by the grammar workers; joined when it samples
     sample: PendingSample | None = None
 
 
@@ -85,7 +85,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(t for t in eos if t is not None)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                   sorted(self.eos_token_ids), config.max_num_seqs, self.device,
-                                                  config.reasoning_parser)
+                                                  config.reasoning_parser, config.resolve_grammar_workers())
         self.requests: dict[str, Request] = {}
         self._pending_deltas: list[RequestDelta] = []  # aborts to report on the next step
         self.last_error: BaseException | None = None
@@ -218,14 +218,14 @@ class LLMEngine:
         launched = None
         if forward is not None and not forward.constrained:
             launched = self._sample(forward, deltas)
-        if in_flight is not None:  # (the grammar thread fills the forward's mask right behind the accept)
+        if in_flight is not None:  # (the grammar workers fill the forward's mask right behind the accept)
             deltas += self._process(in_flight, forward.sampling if forward is not None else None)
         if forward is not None and forward.constrained and (forward.chunks or
                                                             not all(r.is_finished for r in forward.sampling)):
-            # Its grammars needed the tokens just processed: the mask is filled on the grammar thread
+            # Its grammars needed the tokens just processed: the mask is filled by the grammar workers
             # while the GPU runs its forward. With overlap its sampling is held to the next call, which
             # launches it first if the fill is done. (A step whose requests all finished samples nothing.)
-            forward.grammar_mask = self.structured.mask(forward.sampling, inline=not self.overlap)
+            forward.grammar_mask = self.structured.mask(forward.sampling)
             if self.overlap:
                 self._held = forward
             else:

@@ -11,20 +11,22 @@ token's allowed set as a bitmask of int32 words.
   reaches the engine. Keywords xgrammar would silently not enforce (UNENFORCED_KEYWORDS)
   are refused by name.
 - `GrammarCompiler` compiles on a worker thread (the engine keeps stepping meanwhile) and
-  keeps up to `max_cached` compiled grammars by (kind, spec), least recently used first out.
-- `RequestGrammar` is one request's matcher. With a reasoning parser it is inactive until
-  the output ends the reasoning (its end marker's token ids), unless the prompt already did.
-- `GrammarBitmask` fills the constrained rows of a step into one pinned host buffer and
-  copies it to the device once; the fill may run on another thread (structured_requests.py).
+  keeps up to `max_cached` compiled grammars by (kind, spec), least recently used first out,
+  each as xgrammar's JSON for the grammar workers (grammar_workers.py), which hold the matchers.
+- `RequestGrammar` is the engine's side of one request's matcher: where it lives and what the
+  engine reads per token. With a reasoning parser it is inactive until the output ends the
+  reasoning (its end marker's token ids), unless the prompt already did.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -164,6 +166,15 @@ def _xgrammar_message(error: BaseException) -> str:
     return _XGRAMMAR_PREFIX.sub("", text)
 
 
+@dataclass(frozen=True, slots=True)
+class CompiledSpec:
+    """A compiled grammar as the grammar workers take it: xgrammar's JSON (~1 MB for a JSON schema
+    and a 150k vocabulary), and an id of its own for the workers' caches."""
+
+    grammar_id: int
+    serialized: str
+
+
 class GrammarCompiler:
     """Compiles StructuredOutputs for one tokenizer on a worker thread, with a bounded cache."""
 
@@ -177,9 +188,14 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
         self._cache: OrderedDict[StructuredOutputs, Future] = OrderedDict()
         self.max_cached = max_cached
+        self._grammar_ids = itertools.count()
+
+    def run_in_background(self, fn, *args) -> Future:
+        """fn(*args) on the compiler's thread."""
+        return self._pool.submit(fn, *args)
 
     def submit(self, spec: StructuredOutputs) -> Future:
-        """A future of the CompiledGrammar (its exception: ValueError saying why it failed)."""
+        """A future of the CompiledSpec (its exception: ValueError saying why it failed)."""
         future = self._cache.get(spec)
         if future is not None and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(spec)
@@ -190,11 +206,14 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return future
 
-    def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+    def compile(self, spec: StructuredOutputs) -> CompiledSpec:
         return self.submit(spec).result()
 
-    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
-        """(The engine checked `spec` before it asked.)"""
+    def _compile(self, spec: StructuredOutputs) -> CompiledSpec:
+        """(The engine checked `spec` before it asked.) Serialized here, on the compiler's thread."""
+        return CompiledSpec(next(self._grammar_ids), self._compile_grammar(spec).serialize_json())
+
+    def _compile_grammar(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         try:
             if spec.kind in ("json", "json_object"):
                 schema = spec.spec if spec.kind == "json" else _ANY_OBJECT
@@ -257,18 +276,20 @@ def forbid_whitespace(host: torch.Tensor, rows: list[int], others: np.ndarray) -
 
 
 class RequestGrammar:
-    """One request's matcher, and whether it constrains yet (reasoning first, with a parser)."""
+    """The engine's side of one request's matcher (which a grammar worker holds): where it is,
+    whether it constrains yet (reasoning first, with a parser) and what the engine reads per token."""
 
-    __slots__ = ("matcher", "active", "end_marker", "failed", "terminated", "stop_token_ids", "whitespace",
-                 "whitespace_run")
+    __slots__ = ("worker", "slot", "active", "end_marker", "failed", "terminated", "stop_token_ids",
+                 "whitespace", "whitespace_run")
 
-    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: frozenset[int],
-                 end_marker: list[int] | None = None, whitespace: WhitespaceTokens | None = None) -> None:
-        self.matcher = xgr.GrammarMatcher(compiled)
+    def __init__(self, worker, slot: int, stop_token_ids: frozenset[int], end_marker: list[int] | None = None,
+                 whitespace: WhitespaceTokens | None = None) -> None:
+        self.worker = worker  # grammar_workers.GrammarWorker
+        self.slot = slot  # the matcher's number there
         self.stop_token_ids = stop_token_ids  # the compiler's: the grammar ends by accepting one
         self.end_marker = end_marker  # the reasoning's end: the grammar applies after these tokens
         self.active = not end_marker
-        self.failed = False  # the matcher refused a token (only when a mask was not applied)
+        self.failed = False  # the matcher refused a token (only when a mask was not applied), or its worker failed
         # the matcher accepted a stop token, which is the only way it terminates (so no call asks it)
         self.terminated = False
         self.whitespace = whitespace  # JSON with any whitespace: its runs are bounded (MAX_WHITESPACE)
@@ -280,23 +301,17 @@ class RequestGrammar:
         return self.whitespace is not None and self.whitespace_run >= MAX_WHITESPACE
 
     def took(self, token: int) -> None:
-        """The matcher accepted `token`."""
+        """The matcher takes `token` (sent to it this step; a refusal sets `failed` when it is read)."""
         self.terminated = token in self.stop_token_ids
         if self.whitespace is not None:
             chars = self.whitespace.chars[token]
             self.whitespace_run = self.whitespace_run + chars if chars else 0
 
-    def accept(self, token: int, output_token_ids: list[int], num_output: int) -> None:
-        """Advance by the request's newest output token (output_token_ids[num_output - 1])."""
-        if not self.active:
-            marker = self.end_marker
-            if num_output >= len(marker) and output_token_ids[num_output - len(marker):num_output] == marker:
-                self.active = True
-            return
-        if self.matcher.accept_token(token):
-            self.took(token)
-        else:
-            self.failed = True
+    def look_for_end(self, output_token_ids: list[int], num_output: int) -> None:
+        """Inactive: become active if the output's first `num_output` tokens end with the end marker."""
+        marker = self.end_marker
+        if num_output >= len(marker) and output_token_ids[num_output - len(marker):num_output] == marker:
+            self.active = True
 
 
 def batch_accept_token(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[bool]:
@@ -304,18 +319,6 @@ def batch_accept_token(matchers: list[xgr.GrammarMatcher], tokens: list[int]) ->
     verdicts read with the GIL kept (_VERDICT; xgrammar is pinned, so its binding is stable)."""
     verdicts = xgrammar_core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
     return [bool(_VERDICT(verdicts, i)) for i in range(len(matchers))]
-
-
-def accept_batch(grammars: list[RequestGrammar], tokens: list[int]) -> None:
-    """Each active grammar takes its token, in one call."""
-    if not grammars:
-        return
-    accepted = batch_accept_token([g.matcher for g in grammars], tokens)
-    for grammar, token, ok in zip(grammars, tokens, accepted):
-        if ok:
-            grammar.took(token)
-        else:
-            grammar.failed = True
 
 
 # the reasoning parsers' markers (roseray.config.REASONING_PARSERS): where the grammar starts
@@ -334,45 +337,3 @@ def _last_index(token_ids: list[int], marker: list[int]) -> int:
         if token_ids[i:i + n] == marker:
             return i
     return -1
-
-
-class GrammarBitmask:
-    """The next-token bitmask of a step's constrained rows, filled on the host, copied once."""
-
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, threads: int | str = "auto") -> None:
-        self.num_words = (vocab_size + 31) // 32
-        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)  # fills the rows on its own threads
-        pin = device.type == "cuda"
-        # two buffers, used in turn: a step's copy may still be queued when the next step fills
-        self._host = [torch.full((max_rows, self.num_words), -1, dtype=torch.int32, pin_memory=pin)
-                      for _ in range(2)]
-        self._turn = 0
-        self._device = device
-
-    def fill_host(self, grammars: list[RequestGrammar]) -> torch.Tensor:
-        """[len(grammars), num_words] int32 in the next of the two pinned buffers: row i is grammars[i]'s
-        allowed tokens (all tokens for an inactive or ended grammar). Safe on another thread: xgrammar's
-        fill releases the GIL, and one thread fills at a time; `to_device` copies it."""
-        self._turn ^= 1
-        host = self._host[self._turn][:len(grammars)]
-        matchers, rows, exhausted = [], [], []
-        for i, grammar in enumerate(grammars):
-            if not grammar.active or grammar.terminated:
-                host[i].fill_(-1)
-            else:
-                matchers.append(grammar.matcher)
-                rows.append(i)
-                if grammar.whitespace_exhausted:
-                    exhausted.append(i)
-        if matchers:
-            self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
-        if exhausted:
-            forbid_whitespace(host, exhausted, grammars[exhausted[0]].whitespace.others)
-        return host
-
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """`fill_host`'s rows on the device, copied on the caller's thread (so that the copy is queued on
-        the engine's stream in order)."""
-        if self._device.type == "cpu":
-            return host.clone()
-        return host.to(self._device, non_blocking=True)

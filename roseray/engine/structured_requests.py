@@ -1,42 +1,36 @@
 """StructuredOutputManager: the engine's constrained requests, from compile to their last token.
 
 A constrained request waits here (not in the scheduler) while its grammar compiles on the
-compiler's thread, so the engine keeps stepping; `take_compiled` hands over the ready ones
-with their matcher attached (`Request.grammar`). Per step, `mask` fills the bitmask of the
-constrained rows it samples; `accept_step` gives the matchers a processed step's tokens, and
-per token `advance` turns the grammar's end into a stop ("stop") and a refused token into an
-error.
+compiler's thread, so the engine keeps stepping; `take_compiled` hands over the ready ones with
+a matcher on a grammar worker process (grammar_workers.py) and its engine side attached
+(`Request.grammar`). Per step, `accept_step` sends each worker its rows' tokens and, with the
+sampling rows of the step launched after it, the fill of that step's mask right behind them;
+`settle` reads the verdicts (a refused token fails its request); `mask` gives the step's
+mask (`PendingMask.result` waits for the workers' fills and copies it to the device once). Per
+token `advance` turns the grammar's end into a stop ("stop") and a failure into an error.
 
-The matchers' work runs on one grammar thread, in order: xgrammar's batch accept and batch
-fill release the GIL, so the engine's thread meanwhile does its own Python work: the step's
-text and stop checks while the tokens are accepted, then, while the next step's mask is
-filled right behind the accept, settling the step and scheduling and preparing the one after.
-The engine joins a task where it needs its result: `settle` before it reads the verdicts,
-`PendingMask.result` just before it samples through the mask. One thread at a time calls
-into the matchers: that thread's tasks run in order, and the engine's thread fills a mask
-itself (`mask(inline=True)`: it samples at once, nothing to overlap) or touches a grammar's
-flags only once the last task is done; dropping a finished request's grammar (`release`)
-leaves a running task its own reference.
+The engine's thread does no matcher work: the workers accept and fill while it processes the
+step's tokens, settles the step and schedules and prepares the next one. What the engine needs
+per token without a round trip it keeps itself (RequestGrammar): the grammar ends exactly when
+its matcher accepts a stop token, and a run of whitespace is counted from the tokens.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import torch
 
+from roseray.engine.grammar_workers import ACCEPTED, FILLED, GrammarWorker, GrammarWorkers, WorkerError
 from roseray.engine.request import Request, RequestStatus
 from roseray.engine.structured_output import (
     REASONING_MARKERS,
-    GrammarBitmask,
     GrammarCompiler,
     RequestGrammar,
-    accept_batch,
     bounds_whitespace,
     reasoning_ended,
 )
@@ -44,48 +38,52 @@ from roseray.engine.structured_output import (
 logger = logging.getLogger(__name__)
 
 COMPILE_WAIT_S = 0.05  # an engine with nothing but grammars compiling waits this long for one, per step
-GRAMMAR_THREAD = "grammar-matcher"  # the name (prefix) of the thread the matchers run on
 
 
 @dataclass(slots=True)
 class PendingAccept:
-    """A step's tokens being taken by its active grammars on the grammar thread."""
+    """A step's tokens being taken by its active grammars on their workers."""
 
-    future: Future
+    step: int
+    workers: list[GrammarWorker]
     grammars: list[RequestGrammar]
 
 
 @dataclass(slots=True)
 class PendingMask:
-    """A step's grammar mask being filled on the grammar thread, for these sampling rows."""
+    """A step's grammar mask being filled by the workers, for these sampling rows."""
 
-    future: Future  # of the filled pinned host rows
-    bitmask: GrammarBitmask
+    step: int
+    workers: list[GrammarWorker]  # those filling rows of it
+    host: torch.Tensor  # [len(rows), words]: the rows of a shared buffer
     rows: list[int]
     grammars: list[RequestGrammar]  # the rows'
     opened: list[int]  # mask rows whose request finished after the fill: all tokens allowed, as for no mask
+    device: torch.device
 
     @property
     def ready(self) -> bool:
         """The fill is done (or failed): `result` would not wait."""
-        return self.future.done()
+        return all(worker.has_reply(self.step, FILLED) for worker in self.workers)
 
-    def result(self) -> tuple[torch.Tensor, list[int]] | None:
-        """(bitmask [R, words] on the device, its R rows): waits for the fill and queues the copy
-        on this thread. If the grammar engine failed, it is logged here, the rows sample
-        unconstrained (None) and their requests end with an error when the token is processed
-        (`advance`): the step and the engine go on."""
-        try:
-            host = self.future.result()
-        except Exception:  # noqa: BLE001 - whatever xgrammar raised ends these requests, not the engine
-            logger.exception("the grammar engine failed to fill a step's mask; its %d constrained requests fail",
-                             len(self.grammars))
-            for grammar in self.grammars:
-                grammar.failed = True
-            return None
+    def result(self) -> tuple[torch.Tensor, list[int]]:
+        """(bitmask [R, words] on the device, its R rows): waits for the fills and queues the copy on
+        this thread. A worker that failed its rows is logged here, its rows sample unconstrained and
+        their requests end with an error when the token is processed (`advance`): the step goes on."""
+        for worker in self.workers:
+            try:
+                worker.reply(self.step, FILLED)
+            except WorkerError as error:
+                failed = [j for j, grammar in enumerate(self.grammars) if grammar.worker is worker]
+                logger.error("%s; its %d constrained requests of this step fail", error, len(failed))
+                for j in failed:
+                    self.grammars[j].failed = True
+                self.opened.extend(failed)
         for j in self.opened:
-            host[j].fill_(-1)
-        return self.bitmask.to_device(host), self.rows
+            self.host[j].fill_(-1)
+        if self.device.type == "cpu":
+            return self.host.clone(), self.rows
+        return self.host.to(self.device, non_blocking=True), self.rows
 
 
 @dataclass(slots=True)
@@ -94,21 +92,15 @@ class _EarlyFill:
     that were constrained then (`mask` keeps those still constrained once the step is settled)."""
 
     sampling: list[Request]
-    rows: list[int]
-    grammars: list[RequestGrammar]
-    future: Future
-
-
-def _started(started: threading.Event, fn, *args):
-    started.set()
-    return fn(*args)
+    mask: PendingMask
 
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_rows: int, device: torch.device,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, num_workers: int = 1) -> None:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
-        self.bitmask = GrammarBitmask(max_rows, vocab_size, device)
+        self.workers = GrammarWorkers(num_workers, max_rows, (vocab_size + 31) // 32, device)
+        self.device = device
         self.reasoning_markers = None  # (start, end) token ids of the reasoning, with a reasoning parser
         if reasoning_parser is not None:
             start, end = REASONING_MARKERS[reasoning_parser]
@@ -116,9 +108,9 @@ class StructuredOutputManager:
                                       tokenizer.encode(end, add_special_tokens=False))
         self._compiling: dict[str, tuple[Request, Future]] = {}
         self.num_requests = 0  # live constrained requests, compiled or not
-        # the one thread that runs the matchers (any Executor that runs tasks in order will do)
-        self.executor: Executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=GRAMMAR_THREAD)
-        self._last_task: Future | None = None
+        self._starting: Future | None = None  # the workers' start, on the compiler's thread
+        self._step = 0  # numbers the messages to the workers
+        self._turn = 0  # the shared mask buffer the next mask is filled in
         self._early_fill: _EarlyFill | None = None
 
     @property
@@ -129,6 +121,9 @@ class StructuredOutputManager:
         return set(self._compiling)
 
     def add(self, req: Request) -> None:
+        if self._starting is None:  # the first constrained request: the workers load while it compiles
+            self._starting = self.compiler.run_in_background(self.workers.start, self.compiler.info,
+                                                             self.compiler.whitespace.others)
         self._compiling[req.request_id] = (req, self.compiler.submit(req.sampling_params.structured_outputs))
         self.num_requests += 1
 
@@ -137,118 +132,171 @@ class StructuredOutputManager:
         return self._compiling.pop(req.request_id, None) is not None
 
     def take_compiled(self, wait: bool) -> tuple[list[Request], list[Request]]:
-        """(requests whose grammar is ready, with their matcher; requests whose grammar failed).
-        `wait`: the engine has nothing else to do, so wait a little for one rather than spin."""
+        """(requests whose grammar is ready, with their matcher on a worker; requests whose grammar
+        failed). `wait`: the engine has nothing else to do, so wait a little for one rather than spin."""
         if wait:
-            wait_futures([future for _, future in self._compiling.values()], timeout=COMPILE_WAIT_S,
-                         return_when=FIRST_COMPLETED)
+            waiting = [future for _, future in self._compiling.values()]
+            if not self._starting.done():
+                waiting.append(self._starting)
+            wait_futures(waiting, timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
         ready, failed = [], []
+        start_error = self._starting.exception() if self._starting.done() else None
         for request_id, (req, future) in list(self._compiling.items()):
             if not future.done():
                 continue
-            del self._compiling[request_id]
             error = future.exception()
-            if error is not None:
-                logger.warning("request %s: its grammar failed to compile: %s", request_id, error)
+            if error is not None or start_error is not None:
+                del self._compiling[request_id]
+                if error is not None:
+                    logger.warning("request %s: its grammar failed to compile: %s", request_id, error)
+                else:
+                    logger.error("request %s: the grammar workers failed to start: %s", request_id, start_error)
                 failed.append(req)
                 continue
+            if not self._starting.done():
+                break
+            compiled = future.result()
+            try:
+                placed = self.workers.take(compiled.grammar_id, compiled.serialized)
+            except WorkerError as error:
+                del self._compiling[request_id]
+                logger.error("request %s: no grammar worker for it: %s", request_id, error)
+                failed.append(req)
+                continue
+            if placed is None:  # no worker is ready yet
+                if wait:
+                    self.workers.wait_ready(COMPILE_WAIT_S)
+                break
+            del self._compiling[request_id]
             end_marker = None
             if self.reasoning_markers is not None:
                 start, end = self.reasoning_markers
                 end_marker = None if reasoning_ended(req.prompt_token_ids, start, end) else end
             whitespace = self.compiler.whitespace if bounds_whitespace(req.sampling_params.structured_outputs) else None
-            req.grammar = RequestGrammar(future.result(), self.compiler.stop_token_ids, end_marker, whitespace)
+            worker, slot = placed
+            req.grammar = worker.slots[slot] = RequestGrammar(worker, slot, self.compiler.stop_token_ids,
+                                                              end_marker, whitespace)
             ready.append(req)
         return ready, failed
 
-    def mask(self, sampling: list[Request], inline: bool = False) -> PendingMask | None:
-        """The step's grammar mask, being filled on the grammar thread for the constrained rows
-        it samples (after the tokens of the steps before, which that thread took first); None when
-        no row is constrained any more (a finished request has no grammar). A fill `accept_step`
-        started for these rows is used, with the rows of requests finished since opened (no mask
-        on them, as if they were left out). `inline`: the caller samples at once, so there is
-        nothing to overlap and the fill runs here, sparing the hand-over."""
+    def mask(self, sampling: list[Request]) -> PendingMask | None:
+        """The step's grammar mask, being filled by the workers for the constrained rows it samples
+        (after the tokens of the steps before, which they took first); None when no row is
+        constrained any more (a finished request has no grammar). A fill `accept_step` started for
+        these rows is used, with the rows of requests finished since opened (no mask on them, as if
+        they were left out)."""
         rows = [i for i, req in enumerate(sampling) if req.grammar is not None]
         early, self._early_fill = self._early_fill, None
+        if early is not None and rows and early.sampling is sampling:
+            live = set(rows)
+            early.mask.opened = [j for j, i in enumerate(early.mask.rows) if i not in live]
+            return early.mask
+        if early is not None:
+            self._drop(early.mask)
         if not rows:
             return None
-        if early is not None and early.sampling is sampling:
-            live = set(rows)
-            opened = [j for j, i in enumerate(early.rows) if i not in live]
-            return PendingMask(early.future, self.bitmask, early.rows, early.grammars, opened)
-        grammars = [sampling[i].grammar for i in rows]
-        future = self._run_here(self.bitmask.fill_host, grammars) if inline else \
-            self._submit(self.bitmask.fill_host, grammars)
-        return PendingMask(future, self.bitmask, rows, grammars, [])
+        self._step += 1
+        fills: list[list[int]] = [[] for _ in self.workers.workers]
+        mask = self._plan_fill(sampling, rows, fills)
+        for worker, worker_fills in zip(self.workers.workers, fills):
+            if worker_fills:
+                GrammarWorkers.send_step(worker, self._step, self._turn, [], worker_fills)
+        return mask
 
     def accept_step(self, sampling: list[Request], token_ids: list[int], output_index: list[int],
                     next_sampling: list[Request] | None = None) -> PendingAccept | None:
         """A processed step's tokens to the grammars of its live requests, before the engine's
-        per-token loop (`settle`, then `advance`, read the outcome): the active ones take theirs
-        in one batch on the grammar thread; an inactive one (reasoning first) looks here for the
-        end marker, which the token at output_index[i] ends the output with. `next_sampling`:
-        the sampling rows of the step launched after this one, whose mask (`mask`) the grammar
-        thread then fills right away."""
-        if self._last_task is not None:  # the flags written below are the last task's to read
-            wait_futures([self._last_task])
-        grammars, tokens = [], []
+        per-token loop (`settle`, then `advance`, read the outcome): the active ones' workers take
+        theirs in one batch each; an inactive one (reasoning first) looks here for the end marker,
+        which the token at output_index[i] ends the output with. `next_sampling`: the sampling
+        rows of the step launched after this one, whose mask (`mask`) the workers then fill."""
+        if self._early_fill is not None:  # no step sampled through it (its requests all finished)
+            self._drop(self._early_fill.mask)
+            self._early_fill = None
+        self._step += 1
+        workers = self.workers.workers
+        accepts: list[list[int]] = [[] for _ in workers]  # per worker (by index): slot, token, ...
+        fills: list[list[int]] = [[] for _ in workers]  # per worker: slot, mask row, whitespace exhausted, ...
+        grammars = []
+        finished_stopped = RequestStatus.FINISHED_STOPPED
         for req, token, index in zip(sampling, token_ids, output_index):
             grammar = req.grammar
-            if grammar is None or grammar.failed or req.status >= RequestStatus.FINISHED_STOPPED:
+            if grammar is None or grammar.failed or req.status >= finished_stopped:
                 continue  # (failed: its mask's fill did, and the request ends with this token)
             if grammar.active:
+                plan = accepts[grammar.worker.index]
+                plan.append(grammar.slot)
+                plan.append(token)
+                grammar.took(token)
                 grammars.append(grammar)
-                tokens.append(token)
             else:
                 tail = req.output_token_ids[max(0, index + 1 - len(grammar.end_marker)):index] + [token]
-                grammar.accept(token, tail, len(tail))
-        accepting = PendingAccept(self._submit(accept_batch, grammars, tokens), grammars) if grammars else None
+                grammar.look_for_end(tail, len(tail))
+        accepting = None
+        if grammars:
+            accepting = PendingAccept(self._step, [w for w, a in zip(workers, accepts) if a], grammars)
+        turn = self._turn
         if next_sampling is not None:
             rows = [i for i, req in enumerate(next_sampling) if req.grammar is not None]
             if rows:
-                next_grammars = [next_sampling[i].grammar for i in rows]
-                future = self._submit(self.bitmask.fill_host, next_grammars, wait_start=accepting is None)
-                self._early_fill = _EarlyFill(next_sampling, rows, next_grammars, future)
+                mask = self._plan_fill(next_sampling, rows, fills)
+                self._early_fill = _EarlyFill(next_sampling, mask)
+                turn = self._turn
+        for worker, worker_accepts, worker_fills in zip(workers, accepts, fills):
+            if worker_accepts or worker_fills:
+                GrammarWorkers.send_step(worker, self._step, turn, worker_accepts, worker_fills)
         return accepting
+
+    def _plan_fill(self, sampling: list[Request], rows: list[int], fills: list[list[int]]) -> PendingMask:
+        """Add the fill of `sampling`'s constrained `rows` to the workers' fills (by worker index), in
+        the next shared buffer (two, used in turn: a step's copy may still be queued when the next one
+        fills); a row whose grammar does not constrain (inactive, ended, failed) allows every token."""
+        self._turn ^= 1
+        host = self.workers.masks[self._turn][:len(rows)]
+        grammars = [sampling[i].grammar for i in rows]
+        if any(w.dead for w in self.workers.workers):
+            for grammar in grammars:
+                grammar.failed = grammar.failed or grammar.worker.dead
+        for j, grammar in enumerate(grammars):
+            if not grammar.active or grammar.terminated or grammar.failed:
+                host[j].fill_(-1)
+                continue
+            plan = fills[grammar.worker.index]
+            plan.append(grammar.slot)
+            plan.append(j)
+            plan.append(grammar.whitespace_exhausted)
+        filling = [w for w, f in zip(self.workers.workers, fills) if f]
+        return PendingMask(self._step, filling, host, rows, grammars, [], self.device)
+
+    @staticmethod
+    def _drop(mask: PendingMask) -> None:
+        """Wait out a fill nobody samples through: the engine writes rows of the same buffer two
+        fills later, and a worker that took no part in the fill between could still be in this one."""
+        for worker in mask.workers:
+            try:
+                worker.reply(mask.step, FILLED)
+            except WorkerError:
+                pass
 
     @staticmethod
     def settle(accepting: PendingAccept | None) -> None:
-        """Wait until the step's grammars took its tokens. If the grammar engine failed, it is
-        logged here and the step's constrained requests end with an error (`advance`); the
-        engine goes on."""
+        """Wait until the step's grammars took its tokens: a refused token, or a worker that failed
+        (logged here), ends its request with an error (`advance`); the engine goes on."""
         if accepting is None:
             return
-        try:
-            accepting.future.result()
-        except Exception:  # noqa: BLE001 - whatever xgrammar raised ends these requests, not the engine
-            logger.exception("the grammar engine failed on a step's tokens; its %d constrained requests fail",
-                             len(accepting.grammars))
-            for grammar in accepting.grammars:
-                grammar.failed = True
-
-    def _run_here(self, fn, *args) -> Future:
-        """fn(*args) on this thread, once the grammar thread is idle, as a done future."""
-        if self._last_task is not None:
-            wait_futures([self._last_task])
-        future = Future()
-        try:
-            future.set_result(fn(*args))
-        except Exception as error:  # noqa: BLE001 - raised where the result is read, as from the thread
-            future.set_exception(error)
-        return future
-
-    def _submit(self, fn, *args, wait_start: bool = True) -> Future:
-        """fn(*args) on the grammar thread; `wait_start`: returns once it has started (the thread
-        is idle). A thread needs the GIL to start, which a busy engine thread would keep for up to
-        the interpreter's switch interval (5 ms), a step's whole overlap. (A task queued behind
-        another starts when the engine thread waits for that one, or sooner.)"""
-        if not wait_start:
-            self._last_task = self.executor.submit(fn, *args)
-            return self._last_task
-        started = threading.Event()
-        self._last_task = self.executor.submit(_started, started, fn, *args)
-        started.wait()
-        return self._last_task
+        for worker in accepting.workers:
+            try:
+                refused = worker.reply(accepting.step, ACCEPTED)
+            except WorkerError as error:
+                failed = [g for g in accepting.grammars if g.worker is worker]
+                logger.error("%s; its %d constrained requests of this step fail", error, len(failed))
+                for grammar in failed:
+                    grammar.failed = True
+                continue
+            for slot in refused.tolist():
+                grammar = worker.slots.get(slot)
+                if grammar is not None:
+                    grammar.failed = True
 
     @staticmethod
     def advance(req: Request, status: RequestStatus | None) -> RequestStatus | None:
@@ -263,8 +311,10 @@ class StructuredOutputManager:
         return status
 
     def release(self, req: Request) -> None:
-        """The request finished."""
+        """The request finished: its matcher goes (after any step its worker is still on)."""
         self._compiling.pop(req.request_id, None)
+        if req.grammar is not None:
+            GrammarWorkers.free(req.grammar.worker, req.grammar.slot)
         req.grammar = None
         self.num_requests -= 1
 
@@ -276,4 +326,4 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         self.compiler.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.workers.close()

@@ -21,7 +21,6 @@ finds it, and in the middle of one the watchdog aborts the collective rank 0 wai
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import functools
 import logging
@@ -38,6 +37,7 @@ from roseray.distributed import abort_tensor_parallel, broadcast, init_tensor_pa
 from roseray.engine.captured_graphs import CapturedGraphs
 from roseray.engine.cpu_threads import limit_cpu_threads
 from roseray.engine.model_runner import ModelRunner
+from roseray.engine.parent_death import die_with
 from roseray.engine.rank_watchdog import RankWatchdog, check_workers, wait_until_joining
 from roseray.engine.step_inputs import PLAN_LENGTHS, STOP, StepPlan
 from roseray.models.loader import load_model, load_model_config, resolve_max_model_len
@@ -48,7 +48,6 @@ HEADER = 24  # int64 slots: the plan (at most 18), then the in-flight mode and l
 NO_TOKENS, OWN_DECODE_TOKENS, SENT_TOKENS = 0, 1, 2  # what a step's in-flight tokens are on the workers
 JOIN_TIMEOUT_S = 30.0
 WORKER_CHECK_INTERVAL_S = 1.0  # how long an idle engine loop waits at most before it checks the workers again
-PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent exits
 
 
 class StepChannel:
@@ -169,21 +168,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with(parent: int) -> None:
-    """Linux: SIGKILL for this worker when rank 0's process exits, however it exits (a killed engine
-    would otherwise leave its ranks waiting in a collective, holding their GPUs)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the STOP at rank 0's exit is all there is
-        return
-    if os.getppid() != parent:  # rank 0 went before the prctl took effect
-        os._exit(1)
-
-
 def worker_main(rank: int, size: int, init_method: str, config: EngineConfig, parent: int, joining) -> None:
     """A worker rank: its model shard and runner, built as rank 0 builds its own, then steps.
     `joining`: a multiprocessing Event it sets as it joins the group (rank 0 waits for it)."""
-    _die_with(parent)
+    die_with(parent)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where this rank is now
     device = config.resolve_device()
     limit_cpu_threads(device)

@@ -6,6 +6,7 @@ cannot be compiled or enforced is a ValueError naming the construct."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import re
 import sys
 import threading
@@ -17,13 +18,12 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from roseray.engine.grammar_workers import ACCEPTED, FILLED, STEP, MatcherHost
 from roseray.engine.request import PLACEHOLDER
 from roseray.engine.structured_output import (
     MAX_WHITESPACE,
-    GrammarBitmask,
     GrammarCompiler,
     RequestGrammar,
-    accept_batch,
     batch_accept_token,
     check_structured_outputs,
     forbid_whitespace,
@@ -269,24 +269,38 @@ def test_the_grammar_waits_for_the_end_of_the_reasoning():
     assert end == engine.tokenizer.encode("</think>", add_special_tokens=False)
     choice = StructuredOutputs.choice(["ok"])
     req = engine.add_request("r", "think first", SamplingParams(max_tokens=64, structured_outputs=choice))
-    engine.structured.compiler.compile(choice)  # waits for the compile thread
-    ready, failed = engine.structured.take_compiled(wait=False)
+    structured = engine.structured
+    structured.compiler.compile(choice)  # waits for the compile thread
+    ready, failed = [], []
+    for _ in range(400):  # and for a grammar worker to start
+        ready, failed = structured.take_compiled(wait=True)
+        if ready or failed:
+            break
     assert ready == [req] and not failed
     engine.scheduler.add(req)  # as the engine's step does with a ready one
     grammar = req.grammar
     assert not grammar.active  # the prompt opened no reasoning it closed: the output reasons first
-    output = [ord(c) for c in "hmm "] + end
-    for n in range(1, len(output) + 1):
-        grammar.accept(output[n - 1], output, n)
+
+    def take(tokens: list[int]) -> None:  # as the engine's step gives its tokens, one step a token
+        for token in tokens:
+            index = len(req.output_token_ids)
+            structured.settle(structured.accept_step([req], [token], [index]))
+            req.output_token_ids.append(token)
+
+    take([ord(c) for c in "hmm "] + end)
     assert grammar.active and not grammar.failed
-    ok = engine.tokenizer.encode("ok", add_special_tokens=False)
-    output += ok
-    for n in range(len(output) - len(ok) + 1, len(output) + 1):
-        grammar.accept(output[n - 1], output, n)
-    assert not grammar.failed and grammar.matcher.is_completed()
+    take(engine.tokenizer.encode("ok", add_special_tokens=False))
+    assert not grammar.failed
+    mask, rows = structured.mask([req]).result()
+    allowed = ((mask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten().nonzero().flatten()
+    assert rows == [0] and set(allowed.tolist()) <= compiler_stops(structured)  # "ok" is complete: only its end
     engine.abort_request(req.request_id)
     assert reasoning_ended(start + [5] + end + [6], start, end)  # a template that closed it: the grammar starts at once
     assert not reasoning_ended([1, 2] + start, start, end)
+
+
+def compiler_stops(structured) -> set[int]:
+    return set(structured.compiler.stop_token_ids)
 
 
 @pytest.mark.parametrize("sampling", [
@@ -339,20 +353,49 @@ def test_compiled_grammars_are_cached_with_a_bound(byte_llm):
     compiler.close()
 
 
+class LocalMatcherHost:
+    """A grammar worker's loop (MatcherHost) in this process, one matcher (slot 0), driven step by
+    step through its real messages and replies."""
+
+    def __init__(self, compiler: GrammarCompiler, spec: StructuredOutputs) -> None:
+        self.conn, theirs = multiprocessing.Pipe()
+        self.masks = torch.zeros((2, 1, (compiler.vocab_size + 31) // 32), dtype=torch.int32)
+        self.host = MatcherHost(theirs, self.masks, compiler.info, compiler.whitespace.others)
+        compiled = xgr.CompiledGrammar.deserialize_json(compiler.compile(spec).serialized, compiler.info)
+        self.matcher = self.host.matchers[0] = xgr.GrammarMatcher(compiled)
+        self.step_number = 0
+
+    def _step(self, accepts: list[int], fills: list[int]) -> np.ndarray:
+        self.step_number += 1
+        self.host.step(np.array([STEP, self.step_number, 0, len(accepts) // 2, len(fills) // 3, *accepts, *fills],
+                                dtype=np.int32))
+        return np.frombuffer(self.conn.recv_bytes(), dtype=np.int32)
+
+    def accept(self, token: int) -> bool:
+        reply = self._step([0, token], [])
+        assert reply[0] == ACCEPTED
+        return 0 not in reply[2:].tolist()
+
+    def allowed(self, whitespace_exhausted: bool = False) -> list[int]:
+        assert self._step([], [0, 0, int(whitespace_exhausted)])[0] == FILLED
+        bits = (self.masks[0, 0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.flatten().nonzero().flatten().tolist()
+
+
 def test_a_grammar_terminates_exactly_when_its_matcher_does(byte_llm):
-    """RequestGrammar.terminated (no call into xgrammar per token) agrees with the matcher, by
-    one token at a time and by the batch accept."""
+    """RequestGrammar.terminated (the engine's, no call into xgrammar per token) agrees with the
+    worker's matcher, token by token through the worker's batch accept."""
     engine = byte_llm.engine
-    compiled = engine.structured.compiler.compile(StructuredOutputs.choice(["ok"]))
+    compiler = engine.structured.compiler
+    worker = LocalMatcherHost(compiler, StructuredOutputs.choice(["ok"]))
     eos = engine.tokenizer.eos_token_id
     tokens = engine.tokenizer.encode("ok", add_special_tokens=False) + [eos]
-    one, batched = (RequestGrammar(compiled, engine.structured.compiler.stop_token_ids) for _ in range(2))
+    grammar = RequestGrammar(None, 0, compiler.stop_token_ids)
     for n, token in enumerate(tokens, start=1):
-        one.accept(token, tokens, n)
-        accept_batch([batched], [token])
-        for grammar in (one, batched):
-            assert not grammar.failed
-            assert grammar.terminated == grammar.matcher.is_terminated() == (n == len(tokens))
+        assert worker.accept(token)
+        grammar.took(token)
+        assert grammar.terminated == worker.matcher.is_terminated() == (n == len(tokens))
+    assert not worker.accept(eos)  # a token after the end: refused
 
 
 def test_the_batch_accept_reads_its_verdicts_without_handing_the_gil_over(byte_llm):
@@ -361,7 +404,9 @@ def test_the_batch_accept_reads_its_verdicts_without_handing_the_gil_over(byte_l
     at about one read in ten, each loss a switch interval (here 50 ms): ~2.5 s for 256 rows,
     against one loss (the accept itself) for ours."""
     engine = byte_llm.engine
-    compiled = engine.structured.compiler.compile(StructuredOutputs.choice(["ok"]))
+    compiler = engine.structured.compiler
+    compiled = xgr.CompiledGrammar.deserialize_json(compiler.compile(StructuredOutputs.choice(["ok"])).serialized,
+                                                    compiler.info)
     good, bad = (engine.tokenizer.encode(text, add_special_tokens=False)[0] for text in ("o", "x"))
     matchers = [xgr.GrammarMatcher(compiled) for _ in range(256)]
     tokens = [good if i % 2 else bad for i in range(256)]
@@ -413,17 +458,16 @@ def test_json_whitespace_runs_are_bounded_for_a_model_that_always_picks_whitespa
     schema = SCHEMAS["enum_and_const"]
     spec = StructuredOutputs.json_schema(schema)
     compiler = engine.structured.compiler
-    grammar = RequestGrammar(compiler.compile(spec), compiler.stop_token_ids, whitespace=compiler.whitespace)
-    bitmask = GrammarBitmask(1, engine.model_config.vocab_size, torch.device("cpu"))
+    worker = LocalMatcherHost(compiler, spec)
+    grammar = RequestGrammar(None, 0, compiler.stop_token_ids, whitespace=compiler.whitespace)
     newline = engine.tokenizer.encode("\n", add_special_tokens=False)[0]
-    shifts = torch.arange(32, dtype=torch.int32)
     tokens, runs, run = [], [], 0
     while not grammar.terminated:
         assert len(tokens) < 2000, "the output never ended"
-        allowed = ((bitmask.fill_host([grammar])[0].unsqueeze(1) >> shifts) & 1).flatten().nonzero().flatten()
-        token = newline if newline in allowed else int(allowed[0])
-        grammar.accept(token, [], 0)
-        assert not grammar.failed
+        allowed = worker.allowed(grammar.whitespace_exhausted)
+        token = newline if newline in allowed else allowed[0]
+        assert worker.accept(token)
+        grammar.took(token)
         run = run + 1 if token == newline else 0
         runs.append(run)
         tokens.append(token)
@@ -463,6 +507,8 @@ def test_a_held_step_whose_sampling_fails_ends_its_requests_and_the_next_launch_
     expected = LLM("random:tiny", **config).generate(late_prompt, late_params, use_tqdm=False)[0].outputs[0].token_ids
     llm = LLM("random:tiny", **config)
     engine = llm.engine
+    # the grammar compiled and its worker up: the constrained request is admitted with the other
+    llm.generate(["warm"], _json_params(SCHEMAS["nested_object"], 1.0, seed=1, max_tokens=60), use_tqdm=False)
     real_launch, calls = engine.sampler.launch, []
 
     def failing_launch(logits, requests, *args, grammar_mask=None, **kwargs):
