@@ -119,7 +119,7 @@ class GrammarWorker:
         except (OSError, EOFError):
             self._died()
             return
-        kind, step = np.frombuffer(data[:8], dtype=np.int32).tolist() if len(data) >= 8 else (READY, -1)
+        kind, step = np.frombuffer(data[:8], dtype=np.int32).tolist()  # every reply starts (kind, step)
         if kind == READY:
             self.ready = True
         elif kind == FAILED:
