@@ -178,7 +178,9 @@ def http_error(response) -> StreamResult:
         message = response.json()["error"]["message"]
     except Exception:  # noqa: BLE001 - any body: keep its start
         message = response.text[:200]
-    return StreamResult(status=status).fail(f"HTTP {status}", str(message)[:200])
+    reason = response.headers.get("X-Serve-Reason")  # HAProxy's, when Ray's ingress router failed
+    detail = str(message)[:200] + (f" (X-Serve-Reason: {reason})" if reason else "")
+    return StreamResult(status=status).fail(f"HTTP {status}", detail)
 
 
 class OpenAIStreamUser(HttpUser):

@@ -343,6 +343,8 @@ def test_locust_measures_true_gaps_and_reports_every_failure(tmp_path):
     # at least one of each of the ten scripted answers
     assert requests["sent"] == requests["succeeded"] + requests["failed"] >= 10, requests
     assert set(failures["by_reason"]) == {"429 HTTP 429", "200 stream cut", "200 no content"}, failures
+    assert any(example.startswith("429 HTTP 429") and example.endswith(": queue full")
+               for example in failures["examples"]), failures  # the error body's message
     assert set(summary["replicas"]) == {"scripted-0", "scripted-1", "scripted-close"}
     # every gap is one server pause, with either framing: a client that buffered the body
     # would see gaps of ~0
@@ -405,12 +407,13 @@ class LocustRun:
 
 @pytest.fixture(scope="module")
 def locust_runs(ray_app, tmp_path_factory):
-    """One single-process run of completions and one --processes 2 run of chat, side by side
-    (CI time)."""
-    runs = {"single": LocustRun(ray_app, tmp_path_factory.mktemp("single"), *LOAD),
-            "processes": LocustRun(ray_app, tmp_path_factory.mktemp("processes"), *LOAD, "--processes", "2",
-                                   "--api", "chat", "--prompt-style", "chars")}
-    return {name: run.wait() for name, run in runs.items()}
+    """One single-process run of completions, then one --processes 2 run of chat. One after the
+    other: side by side, four locust processes starting beside the cluster on a 2-core CI machine
+    once got a request a 503 from HAProxy (no replica header, so not an engine's answer)."""
+    single = LocustRun(ray_app, tmp_path_factory.mktemp("single"), *LOAD).wait()
+    processes = LocustRun(ray_app, tmp_path_factory.mktemp("processes"), *LOAD, "--processes", "2",
+                          "--api", "chat", "--prompt-style", "chars").wait()
+    return {"single": single, "processes": processes}
 
 
 def locust_rows(out_dir) -> dict:
@@ -421,6 +424,9 @@ def locust_rows(out_dir) -> dict:
 
 def check_run(run: LocustRun, path: str = "/v1/completions") -> dict:
     out_dir = run.out_dir
+    if run.returncode != 0 and (out_dir / "summary.json").exists():  # which failures, with their messages
+        failures = json.loads((out_dir / "summary.json").read_text())["failures"]
+        raise AssertionError(f"locust exited {run.returncode}: {failures}\n{run.output[-3000:]}")
     assert run.returncode == 0, run.output[-4000:]
     assert run.wall_s < 20, f"the locust run took {run.wall_s:.1f} s"
     summary = json.loads((out_dir / "summary.json").read_text())
