@@ -338,8 +338,8 @@ class LLMEngine:
         caching, block_size, commit = (self.config.enable_prefix_caching, self.config.block_size,
                                        self.block_manager.commit_full_blocks)
         for req, token, new_text, new_logprobs, status, length in rows:
-            if req.grammar is not None and not isinstance(req.stop_reason, str):  # str: a stop string's cut
-                status = self.structured.advance(req, status)
+            if (g := req.grammar) is not None and (g.terminated or g.failed) and not isinstance(req.stop_reason, str):
+                status = self.structured.advance(req, status)  # its end or failure (a str reason: a stop string's)
             if status is not None:  # a token launched after the stop is dropped by _finalize
                 finished.append(req)
                 statuses.append(status)

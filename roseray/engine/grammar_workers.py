@@ -9,13 +9,16 @@ takes a new request, once all are up) and, per step, takes its rows' tokens, the
 of the next mask straight into a shared buffer (two, used in turn) that the engine copies to the
 device.
 
-The engine side sends each worker one message a step and reads its replies, keyed by step, where
-it needs them: `ACCEPTED` (the slots whose token the grammar refused) before it settles the step,
-`FILLED` before it samples through the mask; a reply nobody asked for is dropped. Messages are
-int32 arrays (a compiled grammar: xgrammar's own JSON); nothing is pickled. A worker that fails a part of a step says so
-(`FAILED` with the error's line): the requests it served in that part end with an error, the
-engine goes on. A worker that dies takes its requests with it, and is started again for the
-next one.
+The engine side sends each worker one message a step and reads its replies, keyed by step:
+`FILLED` before it samples through the mask, `ACCEPTED` (the slots whose token the grammar
+refused) before it settles a step only when a token was sampled without a mask row for it (a
+matcher cannot refuse a token its own mask allowed); whenever a reply is read, its refusals and
+failures are marked on their requests' grammars, and a reply nobody waits for is then dropped.
+Messages are int32 arrays (a compiled grammar: xgrammar's own JSON); nothing is pickled. A worker
+that fails a part of a step says so (`FAILED` with that part's slots and the error's line): those
+requests end with an error, the engine goes on. A worker that dies takes its requests with it,
+and is started again for the next one. Each worker also bounds its JSON requests' runs of
+whitespace (WhitespaceTokens), from the tokens it takes.
 
 Workers start with the first constrained request (their start, ~4 s of imports, overlaps its
 compile), die with the engine's process (PDEATHSIG) and stop when the engine is collected.
@@ -40,7 +43,7 @@ import torch
 import xgrammar as xgr
 
 from roseray.engine.parent_death import die_with
-from roseray.engine.structured_output import batch_accept_token, forbid_whitespace
+from roseray.engine.structured_output import MAX_WHITESPACE, WhitespaceTokens, batch_accept_token, forbid_whitespace
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +92,8 @@ class GrammarWorker:
 
     def reply(self, step: int, kind: int) -> np.ndarray:
         """Wait for step `step`'s reply `kind`; its int32 payload. Replies of earlier steps nobody
-        asked for are dropped. Raises WorkerError if the worker failed that part or died."""
+        asked for are dropped (what they said is marked already). Raises WorkerError if the worker
+        failed that part or died (its requests' grammars are marked failed)."""
         while (step, kind) not in self._received:
             if self.dead:
                 raise WorkerError(f"grammar worker {self.index} died")
@@ -122,16 +126,28 @@ class GrammarWorker:
         kind, step = np.frombuffer(data[:8], dtype=np.int32).tolist()  # every reply starts (kind, step)
         if kind == READY:
             self.ready = True
-        elif kind == FAILED:
-            part = int(np.frombuffer(data[8:12], dtype=np.int32)[0])
-            self._received[(step, part)] = WorkerError(data[12:].decode(errors="replace"))
+        elif kind == FAILED:  # (FAILED, step, part, n, the part's n slots, the error's line)
+            part, n = np.frombuffer(data[8:16], dtype=np.int32).tolist()
+            error = WorkerError(data[16 + 4 * n:].decode(errors="replace"))
+            logger.error("%s; its %d constrained requests of step %d fail", error, n, step)
+            self._fail(np.frombuffer(data[16:16 + 4 * n], dtype=np.int32).tolist())
+            self._received[(step, part)] = error
         else:
+            if kind == ACCEPTED and len(data) > 8:  # the slots whose token was refused
+                self._fail(np.frombuffer(data[8:], dtype=np.int32).tolist())
             self._received[(step, kind)] = data
+
+    def _fail(self, slots: list[int]) -> None:
+        for slot in slots:
+            grammar = self.slots.get(slot)
+            if grammar is not None:
+                grammar.failed = True
 
     def _died(self) -> None:
         if not self.dead:
             logger.error("grammar worker %d (pid %s) died; its %d constrained requests fail", self.index,
                          self.process.pid, len(self.slots))
+            self._fail(list(self.slots))
         self.dead = True
 
 
@@ -149,7 +165,7 @@ class GrammarWorkers:
         self._start_args: tuple | None = None
         self._finalizer: weakref.finalize | None = None
 
-    def start(self, tokenizer_info: xgr.TokenizerInfo, other_tokens: np.ndarray) -> None:
+    def start(self, tokenizer_info: xgr.TokenizerInfo) -> None:
         """Make the shared buffers and start every worker (they load in the background; `take` waits
         for none). Call once, off the engine's thread: serializing the tokenizer's info takes ~0.2 s
         for a 150k vocabulary, and pinning the buffers a few ms."""
@@ -163,7 +179,7 @@ class GrammarWorkers:
                                                                             HOST_REGISTER_PORTABLE))
         self._shm, self.masks = shm, masks
         self._finalizer = weakref.finalize(self, _close, self.workers, shm, masks, pinned)
-        self._start_args = (tokenizer_info.serialize_json(), other_tokens.tobytes())
+        self._start_args = (tokenizer_info.serialize_json(),)
         self.workers.extend(self._spawn(index) for index in range(self.num_workers))
 
     def _spawn(self, index: int) -> GrammarWorker:
@@ -182,9 +198,10 @@ class GrammarWorkers:
         if starting:
             wait_connections(starting, timeout=timeout_s)
 
-    def take(self, grammar_id: int, serialized: str) -> tuple[GrammarWorker, int] | None:
+    def take(self, grammar_id: int, serialized: str, bounds_whitespace: bool) -> tuple[GrammarWorker, int] | None:
         """A matcher of the compiled grammar for a new request, on the least loaded worker: (worker,
-        slot); None while a worker is not ready yet. A dead worker is started again here; one that
+        slot); None while a worker is not ready yet. `bounds_whitespace`: the worker bounds the
+        request's runs of whitespace (JSON with any whitespace). A dead worker is started again here; one that
         died before it was ever ready raises WorkerError (it would only die again)."""
         for i, worker in enumerate(self.workers):
             if worker.dead and not worker.ready:
@@ -206,7 +223,7 @@ class GrammarWorkers:
                 dropped, _ = worker.grammar_ids.popitem(last=False)
                 worker.send(np.array([DROP_GRAMMAR, dropped], dtype=np.int32))
         slot = next(self._slots)
-        worker.send(np.array([MATCHER, slot, grammar_id], dtype=np.int32))
+        worker.send(np.array([MATCHER, slot, grammar_id, bounds_whitespace], dtype=np.int32))
         return worker, slot
 
     def close(self) -> None:
@@ -222,10 +239,10 @@ class GrammarWorkers:
     @staticmethod
     def send_step(worker: GrammarWorker, step: int, turn: int, accepts: list[int], fills: list[int]) -> None:
         """Step `step` (increasing): `accepts` are (slot, token) pairs, flat; `fills` (slot, mask
-        row, whitespace exhausted) triples, flat, into mask buffer `turn`. The worker answers
-        ACCEPTED (the refused slots), then FILLED, for each part that is not empty."""
+        row) pairs, flat, into mask buffer `turn`. The worker answers ACCEPTED (the refused slots),
+        then FILLED, for each part that is not empty."""
         message = np.empty(5 + len(accepts) + len(fills), dtype=np.int32)
-        message[:5] = (STEP, step, turn, len(accepts) // 2, len(fills) // 3)
+        message[:5] = (STEP, step, turn, len(accepts) // 2, len(fills) // 2)
         message[5:5 + len(accepts)] = accepts
         message[5 + len(accepts):] = fills
         worker.send(message)
@@ -254,7 +271,7 @@ def _close(workers: list[GrammarWorker], shm: SharedMemory, masks: torch.Tensor,
 
 # ---- the worker process ------------------------------------------------------------------------
 def worker_main(conn: Connection, shm_name: str, mask_shape: tuple[int, int, int], tokenizer_info: str,
-                other_tokens: bytes, parent: int) -> None:
+                parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle: it stops us
     die_with(parent)
     torch.set_num_threads(1)
@@ -266,21 +283,21 @@ def worker_main(conn: Connection, shm_name: str, mask_shape: tuple[int, int, int
     finally:
         os.close(fd)
     masks = torch.from_numpy(np.ndarray(mask_shape, dtype=np.int32, buffer=buffer))
-    MatcherHost(conn, masks, xgr.TokenizerInfo.deserialize_json(tokenizer_info),
-                np.frombuffer(other_tokens, dtype=np.int32)).serve()
+    MatcherHost(conn, masks, xgr.TokenizerInfo.deserialize_json(tokenizer_info)).serve()
 
 
 class MatcherHost:
-    """A worker's loop: its matchers by slot, the compiled grammars they come from by id."""
+    """A worker's loop: its matchers by slot, the compiled grammars they come from by id, and the
+    run of whitespace that ends each bounded request's output (slot -> characters)."""
 
-    def __init__(self, conn: Connection, masks: torch.Tensor, info: xgr.TokenizerInfo,
-                 other_tokens: np.ndarray) -> None:
+    def __init__(self, conn: Connection, masks: torch.Tensor, info: xgr.TokenizerInfo) -> None:
         self.conn = conn
         self.masks = masks
         self.info = info
-        self.other_tokens = other_tokens
+        self.whitespace = WhitespaceTokens(info, info.vocab_size)
         self.grammars: dict[int, xgr.CompiledGrammar] = {}
         self.matchers: dict[int, xgr.GrammarMatcher] = {}
+        self.runs: dict[int, int] = {}
         self.batch = xgr.BatchGrammarMatcher(max_threads=1)
 
     def serve(self) -> None:
@@ -290,50 +307,66 @@ class MatcherHost:
                 data = self.conn.recv_bytes()
             except (OSError, EOFError):  # the engine went
                 return
-            op = int(np.frombuffer(data[:4], dtype=np.int32)[0])
-            message = np.frombuffer(data, dtype=np.int32) if op != GRAMMAR else np.frombuffer(data[:8], dtype=np.int32)
-            if op == STEP:
-                self.step(message)
-            elif op == MATCHER:
-                grammar = self.grammars.get(int(message[2]))
-                if grammar is not None:  # (else the slot is missing, and its first step fails)
-                    self.matchers[int(message[1])] = xgr.GrammarMatcher(grammar)
-            elif op == FREE:
-                self.matchers.pop(int(message[1]), None)
-            elif op == GRAMMAR:
-                self.grammars[int(message[1])] = xgr.CompiledGrammar.deserialize_json(data[8:].decode(), self.info)
-            elif op == DROP_GRAMMAR:
-                self.grammars.pop(int(message[1]), None)
-            else:
+            if not self.handle(data):
                 return
+
+    def handle(self, data: bytes) -> bool:
+        """One message from the engine; False for STOP."""
+        op = int(np.frombuffer(data[:4], dtype=np.int32)[0])
+        message = np.frombuffer(data, dtype=np.int32) if op != GRAMMAR else np.frombuffer(data[:8], dtype=np.int32)
+        if op == STEP:
+            self.step(message)
+        elif op == MATCHER:
+            grammar = self.grammars.get(int(message[2]))
+            if grammar is not None:  # (else the slot is missing, and its first step fails)
+                self.matchers[int(message[1])] = xgr.GrammarMatcher(grammar)
+                if message[3]:
+                    self.runs[int(message[1])] = 0
+        elif op == FREE:
+            self.matchers.pop(int(message[1]), None)
+            self.runs.pop(int(message[1]), None)
+        elif op == GRAMMAR:
+            self.grammars[int(message[1])] = xgr.CompiledGrammar.deserialize_json(data[8:].decode(), self.info)
+        elif op == DROP_GRAMMAR:
+            self.grammars.pop(int(message[1]), None)
+        else:
+            return False
+        return True
 
     def step(self, message: np.ndarray) -> None:
         step, turn, num_accepts, num_fills = (int(v) for v in message[1:5])
         accepts = message[5:5 + 2 * num_accepts].reshape(-1, 2)
-        fills = message[5 + 2 * num_accepts:].reshape(-1, 3)
+        fills = message[5 + 2 * num_accepts:].reshape(-1, 2)
         if num_accepts:
+            slots, tokens = accepts[:, 0].tolist(), accepts[:, 1].tolist()
             try:
-                slots = accepts[:, 0].tolist()
-                verdicts = batch_accept_token([self.matchers[s] for s in slots], accepts[:, 1].tolist())
+                verdicts = batch_accept_token([self.matchers[s] for s in slots], tokens)
                 self._reply(ACCEPTED, step, [s for s, ok in zip(slots, verdicts) if not ok])
             except Exception as error:  # noqa: BLE001 - told to the engine, which fails these requests
-                self._failed(step, ACCEPTED, error)
+                self._failed(step, ACCEPTED, slots, error)
+            if self.runs:
+                runs, chars = self.runs, self.whitespace.chars
+                for slot, token in zip(slots, tokens):
+                    if slot in runs:
+                        runs[slot] = runs[slot] + chars[token] if chars[token] else 0
         if num_fills:
+            slots, rows = fills[:, 0].tolist(), fills[:, 1].tolist()
             try:
                 host = self.masks[turn]
-                rows = fills[:, 1].tolist()
-                self.batch.batch_fill_next_token_bitmask([self.matchers[s] for s in fills[:, 0].tolist()], host, rows)
-                exhausted = [row for row, flag in zip(rows, fills[:, 2].tolist()) if flag]
+                self.batch.batch_fill_next_token_bitmask([self.matchers[s] for s in slots], host, rows)
+                runs = self.runs
+                exhausted = [row for slot, row in zip(slots, rows) if runs.get(slot, 0) >= MAX_WHITESPACE]
                 if exhausted:
-                    forbid_whitespace(host, exhausted, self.other_tokens)
+                    forbid_whitespace(host, exhausted, self.whitespace.others)
                 self._reply(FILLED, step)
             except Exception as error:  # noqa: BLE001 - told to the engine, which fails these requests
-                self._failed(step, FILLED, error)
+                self._failed(step, FILLED, slots, error)
 
     def _reply(self, kind: int, step: int = -1, payload: list[int] = ()) -> None:
         self.conn.send_bytes(np.array([kind, step, *payload], dtype=np.int32))
 
-    def _failed(self, step: int, part: int, error: BaseException) -> None:
+    def _failed(self, step: int, part: int, slots: list[int], error: BaseException) -> None:
         what = "the batch accept" if part == ACCEPTED else "the mask fill"
         line = f"grammar worker (pid {os.getpid()}): {what} failed: {type(error).__name__}: {error}"
-        self.conn.send_bytes(np.array([FAILED, step, part], dtype=np.int32).tobytes() + line.encode())
+        self.conn.send_bytes(np.array([FAILED, step, part, len(slots), *slots], dtype=np.int32).tobytes()
+                             + line.encode())

@@ -12,7 +12,8 @@ token's allowed set as a bitmask of int32 words.
   are refused by name.
 - `GrammarCompiler` compiles on a worker thread (the engine keeps stepping meanwhile) and
   keeps up to `max_cached` compiled grammars by (kind, spec), least recently used first out,
-  each as xgrammar's JSON for the grammar workers (grammar_workers.py), which hold the matchers.
+  each as xgrammar's JSON for the grammar workers (grammar_workers.py), which hold the matchers
+  and bound the runs of whitespace (WhitespaceTokens).
 - `RequestGrammar` is the engine's side of one request's matcher: where it lives and what the
   engine reads per token. With a reasoning parser it is inactive until the output ends the
   reasoning (its end marker's token ids), unless the prompt already did.
@@ -183,7 +184,6 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = frozenset(stop_token_ids)
         self.info = _tokenizer_info(tokenizer, vocab_size, stop_token_ids)
-        self.whitespace = WhitespaceTokens(self.info, vocab_size)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compiler")
         self._cache: OrderedDict[StructuredOutputs, Future] = OrderedDict()
@@ -247,7 +247,7 @@ class WhitespaceTokens:
     """The tokens whose text is JSON whitespace only (spaces, tabs, newlines, carriage returns):
     `chars[token]` is such a token's length in bytes (0 for any other token), and `others` the
     bitmask of every other token, which a row's mask is cut to once its run of whitespace is
-    exhausted (RequestGrammar.whitespace_exhausted). The bound holds inside strings too: there a
+    exhausted (the grammar worker counts each bounded request's run). The bound holds inside strings too: there a
     run can go on only with a token that is not whitespace alone."""
 
     def __init__(self, info: xgr.TokenizerInfo, vocab_size: int) -> None:
@@ -279,33 +279,27 @@ class RequestGrammar:
     """The engine's side of one request's matcher (which a grammar worker holds): where it is,
     whether it constrains yet (reasoning first, with a parser) and what the engine reads per token."""
 
-    __slots__ = ("worker", "slot", "active", "end_marker", "failed", "terminated", "stop_token_ids",
-                 "whitespace", "whitespace_run")
+    __slots__ = ("worker", "slot", "active", "end_marker", "failed", "terminated", "stop_token_ids", "masked",
+                 "mask_row")
 
-    def __init__(self, worker, slot: int, stop_token_ids: frozenset[int], end_marker: list[int] | None = None,
-                 whitespace: WhitespaceTokens | None = None) -> None:
+    def __init__(self, worker, slot: int, stop_token_ids: frozenset[int], end_marker: list[int] | None = None) -> None:
         self.worker = worker  # grammar_workers.GrammarWorker
         self.slot = slot  # the matcher's number there
         self.stop_token_ids = stop_token_ids  # the compiler's: the grammar ends by accepting one
         self.end_marker = end_marker  # the reasoning's end: the grammar applies after these tokens
         self.active = not end_marker
-        self.failed = False  # the matcher refused a token (only when a mask was not applied), or its worker failed
+        # the matcher refused a token, or its worker failed: set when the engine reads that worker's reply
+        self.failed = False
         # the matcher accepted a stop token, which is the only way it terminates (so no call asks it)
         self.terminated = False
-        self.whitespace = whitespace  # JSON with any whitespace: its runs are bounded (MAX_WHITESPACE)
-        self.whitespace_run = 0  # characters of the whitespace-only tokens that end the output
-
-    @property
-    def whitespace_exhausted(self) -> bool:
-        """The next token may not be whitespace only."""
-        return self.whitespace is not None and self.whitespace_run >= MAX_WHITESPACE
+        # its next token is sampled through a mask row filled for it, which its matcher cannot refuse: the
+        # engine need not wait for that verdict
+        self.masked = False
+        self.mask_row = -1  # its row in the mask planned last
 
     def took(self, token: int) -> None:
         """The matcher takes `token` (sent to it this step; a refusal sets `failed` when it is read)."""
         self.terminated = token in self.stop_token_ids
-        if self.whitespace is not None:
-            chars = self.whitespace.chars[token]
-            self.whitespace_run = self.whitespace_run + chars if chars else 0
 
     def look_for_end(self, output_token_ids: list[int], num_output: int) -> None:
         """Inactive: become active if the output's first `num_output` tokens end with the end marker."""

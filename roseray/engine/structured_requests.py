@@ -5,14 +5,17 @@ compiler's thread, so the engine keeps stepping; `take_compiled` hands over the 
 a matcher on a grammar worker process (grammar_workers.py) and its engine side attached
 (`Request.grammar`). Per step, `accept_step` sends each worker its rows' tokens and, with the
 sampling rows of the step launched after it, the fill of that step's mask right behind them;
-`settle` reads the verdicts (a refused token fails its request); `mask` gives the step's
-mask (`PendingMask.result` waits for the workers' fills and copies it to the device once). Per
-token `advance` turns the grammar's end into a stop ("stop") and a failure into an error.
+`settle` waits for the verdicts only when a token was sampled without a mask row filled for it
+(a matcher never refuses a token its mask allowed; a refusal read later still fails its request);
+`mask` gives the step's mask (`PendingMask.result` waits for the workers' fills and copies it to
+the device once). Per token `advance` turns the grammar's end into a stop ("stop") and a failure
+into an error.
 
 The engine's thread does no matcher work: the workers accept and fill while it processes the
 step's tokens, settles the step and schedules and prepares the next one. What the engine needs
 per token without a round trip it keeps itself (RequestGrammar): the grammar ends exactly when
-its matcher accepts a stop token, and a run of whitespace is counted from the tokens.
+its matcher accepts a stop token. Its per-row work is one pass over a step's rows to send the
+tokens and one to plan the next mask's fill.
 """
 
 from __future__ import annotations
@@ -42,11 +45,12 @@ COMPILE_WAIT_S = 0.05  # an engine with nothing but grammars compiling waits thi
 
 @dataclass(slots=True)
 class PendingAccept:
-    """A step's tokens being taken by its active grammars on their workers."""
+    """A step's tokens being taken by its active grammars on their workers, some of them sampled
+    without a mask row for them (`unmasked`): their verdicts are waited for."""
 
     step: int
     workers: list[GrammarWorker]
-    grammars: list[RequestGrammar]
+    unmasked: bool
 
 
 @dataclass(slots=True)
@@ -73,12 +77,8 @@ class PendingMask:
         for worker in self.workers:
             try:
                 worker.reply(self.step, FILLED)
-            except WorkerError as error:
-                failed = [j for j, grammar in enumerate(self.grammars) if grammar.worker is worker]
-                logger.error("%s; its %d constrained requests of this step fail", error, len(failed))
-                for j in failed:
-                    self.grammars[j].failed = True
-                self.opened.extend(failed)
+            except WorkerError:  # (logged as it was read, its requests' grammars marked failed)
+                self.opened.extend(j for j, grammar in enumerate(self.grammars) if grammar.worker is worker)
         for j in self.opened:
             self.host[j].fill_(-1)
         if self.device.type == "cpu":
@@ -93,6 +93,7 @@ class _EarlyFill:
 
     sampling: list[Request]
     mask: PendingMask
+    released: list[RequestGrammar]  # grammars of requests finished since
 
 
 class StructuredOutputManager:
@@ -112,6 +113,7 @@ class StructuredOutputManager:
         self._step = 0  # numbers the messages to the workers
         self._turn = 0  # the shared mask buffer the next mask is filled in
         self._early_fill: _EarlyFill | None = None
+        self._released: list[RequestGrammar] = []  # grammars of requests finished since the last fill was planned
 
     @property
     def num_compiling(self) -> int:
@@ -122,8 +124,7 @@ class StructuredOutputManager:
 
     def add(self, req: Request) -> None:
         if self._starting is None:  # the first constrained request: the workers load while it compiles
-            self._starting = self.compiler.run_in_background(self.workers.start, self.compiler.info,
-                                                             self.compiler.whitespace.others)
+            self._starting = self.compiler.run_in_background(self.workers.start, self.compiler.info)
         self._compiling[req.request_id] = (req, self.compiler.submit(req.sampling_params.structured_outputs))
         self.num_requests += 1
 
@@ -157,7 +158,8 @@ class StructuredOutputManager:
                 break
             compiled = future.result()
             try:
-                placed = self.workers.take(compiled.grammar_id, compiled.serialized)
+                placed = self.workers.take(compiled.grammar_id, compiled.serialized,
+                                           bounds_whitespace(req.sampling_params.structured_outputs))
             except WorkerError as error:
                 del self._compiling[request_id]
                 logger.error("request %s: no grammar worker for it: %s", request_id, error)
@@ -172,10 +174,8 @@ class StructuredOutputManager:
             if self.reasoning_markers is not None:
                 start, end = self.reasoning_markers
                 end_marker = None if reasoning_ended(req.prompt_token_ids, start, end) else end
-            whitespace = self.compiler.whitespace if bounds_whitespace(req.sampling_params.structured_outputs) else None
             worker, slot = placed
-            req.grammar = worker.slots[slot] = RequestGrammar(worker, slot, self.compiler.stop_token_ids,
-                                                              end_marker, whitespace)
+            req.grammar = worker.slots[slot] = RequestGrammar(worker, slot, self.compiler.stop_token_ids, end_marker)
             ready.append(req)
         return ready, failed
 
@@ -185,22 +185,22 @@ class StructuredOutputManager:
         constrained any more (a finished request has no grammar). A fill `accept_step` started for
         these rows is used, with the rows of requests finished since opened (no mask on them, as if
         they were left out)."""
-        rows = [i for i, req in enumerate(sampling) if req.grammar is not None]
         early, self._early_fill = self._early_fill, None
-        if early is not None and rows and early.sampling is sampling:
-            live = set(rows)
-            early.mask.opened = [j for j, i in enumerate(early.mask.rows) if i not in live]
-            return early.mask
+        if early is not None and early.sampling is sampling:
+            mask = early.mask
+            grammars = mask.grammars
+            mask.opened = [j for g in early.released if (j := g.mask_row) < len(grammars) and grammars[j] is g]
+            if len(mask.opened) < len(mask.rows):
+                return mask
         if early is not None:
             self._drop(early.mask)
-        if not rows:
-            return None
-        self._step += 1
         fills: list[list[int]] = [[] for _ in self.workers.workers]
-        mask = self._plan_fill(sampling, rows, fills)
-        for worker, worker_fills in zip(self.workers.workers, fills):
-            if worker_fills:
-                GrammarWorkers.send_step(worker, self._step, self._turn, [], worker_fills)
+        self._step += 1
+        mask = self._plan_fill(sampling, fills)
+        if mask is not None:
+            for worker, worker_fills in zip(self.workers.workers, fills):
+                if worker_fills:
+                    GrammarWorkers.send_step(worker, self._step, self._turn, [], worker_fills)
         return mask
 
     def accept_step(self, sampling: list[Request], token_ids: list[int], output_index: list[int],
@@ -216,8 +216,8 @@ class StructuredOutputManager:
         self._step += 1
         workers = self.workers.workers
         accepts: list[list[int]] = [[] for _ in workers]  # per worker (by index): slot, token, ...
-        fills: list[list[int]] = [[] for _ in workers]  # per worker: slot, mask row, whitespace exhausted, ...
-        grammars = []
+        fills: list[list[int]] = [[] for _ in workers]  # per worker: slot, mask row, ...
+        unmasked = False
         finished_stopped = RequestStatus.FINISHED_STOPPED
         for req, token, index in zip(sampling, token_ids, output_index):
             grammar = req.grammar
@@ -228,43 +228,50 @@ class StructuredOutputManager:
                 plan.append(grammar.slot)
                 plan.append(token)
                 grammar.took(token)
-                grammars.append(grammar)
+                if not grammar.masked:
+                    unmasked = True
+                grammar.masked = False
             else:
                 tail = req.output_token_ids[max(0, index + 1 - len(grammar.end_marker)):index] + [token]
                 grammar.look_for_end(tail, len(tail))
-        accepting = None
-        if grammars:
-            accepting = PendingAccept(self._step, [w for w, a in zip(workers, accepts) if a], grammars)
-        turn = self._turn
+        filling = [w for w, a in zip(workers, accepts) if a]
+        accepting = PendingAccept(self._step, filling, unmasked) if filling else None
         if next_sampling is not None:
-            rows = [i for i, req in enumerate(next_sampling) if req.grammar is not None]
-            if rows:
-                mask = self._plan_fill(next_sampling, rows, fills)
-                self._early_fill = _EarlyFill(next_sampling, mask)
-                turn = self._turn
+            mask = self._plan_fill(next_sampling, fills)
+            if mask is not None:
+                self._early_fill = _EarlyFill(next_sampling, mask, self._released)
         for worker, worker_accepts, worker_fills in zip(workers, accepts, fills):
             if worker_accepts or worker_fills:
-                GrammarWorkers.send_step(worker, self._step, turn, worker_accepts, worker_fills)
+                GrammarWorkers.send_step(worker, self._step, self._turn, worker_accepts, worker_fills)
         return accepting
 
-    def _plan_fill(self, sampling: list[Request], rows: list[int], fills: list[list[int]]) -> PendingMask:
-        """Add the fill of `sampling`'s constrained `rows` to the workers' fills (by worker index), in
+    def _plan_fill(self, sampling: list[Request], fills: list[list[int]]) -> PendingMask | None:
+        """Add the fill of `sampling`'s constrained rows to the workers' fills (by worker index), in
         the next shared buffer (two, used in turn: a step's copy may still be queued when the next one
-        fills); a row whose grammar does not constrain (inactive, ended, failed) allows every token."""
-        self._turn ^= 1
-        host = self.workers.masks[self._turn][:len(rows)]
-        grammars = [sampling[i].grammar for i in rows]
-        if any(w.dead for w in self.workers.workers):
-            for grammar in grammars:
-                grammar.failed = grammar.failed or grammar.worker.dead
-        for j, grammar in enumerate(grammars):
-            if not grammar.active or grammar.terminated or grammar.failed:
-                host[j].fill_(-1)
+        fills); a row whose grammar does not constrain (inactive, ended, failed) allows every token.
+        None if no row is constrained."""
+        rows, grammars, unconstrained = [], [], []
+        for i, req in enumerate(sampling):
+            grammar = req.grammar
+            if grammar is None:
                 continue
-            plan = fills[grammar.worker.index]
-            plan.append(grammar.slot)
-            plan.append(j)
-            plan.append(grammar.whitespace_exhausted)
+            j = grammar.mask_row = len(rows)
+            rows.append(i)
+            grammars.append(grammar)
+            if grammar.active and not grammar.terminated and not grammar.failed:
+                plan = fills[grammar.worker.index]
+                plan.append(grammar.slot)
+                plan.append(j)
+                grammar.masked = True
+            else:
+                unconstrained.append(j)
+        if not rows:
+            return None
+        self._turn ^= 1
+        self._released = []
+        host = self.workers.masks[self._turn][:len(rows)]
+        for j in unconstrained:
+            host[j].fill_(-1)
         filling = [w for w, f in zip(self.workers.workers, fills) if f]
         return PendingMask(self._step, filling, host, rows, grammars, [], self.device)
 
@@ -280,23 +287,16 @@ class StructuredOutputManager:
 
     @staticmethod
     def settle(accepting: PendingAccept | None) -> None:
-        """Wait until the step's grammars took its tokens: a refused token, or a worker that failed
-        (logged here), ends its request with an error (`advance`); the engine goes on."""
-        if accepting is None:
+        """Wait until the step's grammars took its tokens, when one was sampled without a mask row
+        for it: a refused token, or a worker that failed, ends its request with an error (`advance`);
+        the engine goes on. Otherwise the verdicts are read with the workers' next replies."""
+        if accepting is None or not accepting.unmasked:
             return
         for worker in accepting.workers:
             try:
-                refused = worker.reply(accepting.step, ACCEPTED)
-            except WorkerError as error:
-                failed = [g for g in accepting.grammars if g.worker is worker]
-                logger.error("%s; its %d constrained requests of this step fail", error, len(failed))
-                for grammar in failed:
-                    grammar.failed = True
-                continue
-            for slot in refused.tolist():
-                grammar = worker.slots.get(slot)
-                if grammar is not None:
-                    grammar.failed = True
+                worker.reply(accepting.step, ACCEPTED)
+            except WorkerError:  # (logged as it was read, its requests' grammars marked failed)
+                pass
 
     @staticmethod
     def advance(req: Request, status: RequestStatus | None) -> RequestStatus | None:
@@ -315,6 +315,7 @@ class StructuredOutputManager:
         self._compiling.pop(req.request_id, None)
         if req.grammar is not None:
             GrammarWorkers.free(req.grammar.worker, req.grammar.slot)
+            self._released.append(req.grammar)
         req.grammar = None
         self.num_requests -= 1
 

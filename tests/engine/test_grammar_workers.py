@@ -16,6 +16,7 @@ import pytest
 
 from roseray.engine import grammar_workers, structured_requests
 from roseray.engine.grammar_workers import FREE, SHM_DIR
+from roseray.engine.request import Request, RequestStatus
 from roseray.llm import LLM
 from roseray.sampling_params import SamplingParams, StructuredOutputs
 from tests.waiting import wait_until
@@ -211,3 +212,35 @@ def test_a_mask_reads_ready_only_once_its_fill_is_done():
     engine.abort_request("r")
     engine.step()
     engine.check_integrity()
+
+
+def test_the_engine_waits_for_verdicts_only_of_tokens_sampled_without_a_mask_row():
+    """A matcher cannot refuse a token its own mask row allowed, so `settle` returns at once when
+    every token of the step was sampled through a row filled for its grammar; a refusal is still
+    marked when the worker's reply is read (here: with the next mask) and ends the request. A token
+    sampled without a row (none was filled for it) is waited for: refused, it fails at `settle`."""
+    llm = LLM("random:tiny", seed=3, grammar_workers=1)
+    engine, manager = llm.engine, llm.engine.structured
+    llm.generate(["warm"], _constrained(0), use_tqdm=False)  # the worker is up
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs.choice(["ok"]))
+    masked, unmasked = (Request(rid, [1, 2, 3], params, max_tokens=8) for rid in ("masked", "unmasked"))
+    for req in (masked, unmasked):
+        manager.add(req)
+    ready = []
+    while len(ready) < 2:
+        ready += manager.take_compiled(wait=True)[0]
+    bad = engine.tokenizer.encode("x", add_special_tokens=False)[0]
+
+    manager.mask([masked]).result()  # a row filled for it: its token is sampled through the mask
+    manager.settle(manager.accept_step([masked], [bad], [0]))
+    assert not masked.grammar.failed  # not waited for: its verdict is still in the pipe
+    manager.mask([masked]).result()
+    assert masked.grammar.failed and manager.advance(masked, None) == RequestStatus.FINISHED_ERROR
+
+    accepting = manager.accept_step([unmasked], [bad], [0])
+    assert accepting.unmasked
+    manager.settle(accepting)
+    assert unmasked.grammar.failed
+    for req in (masked, unmasked):
+        manager.release(req)
+    manager.close()

@@ -18,13 +18,15 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from roseray.engine.grammar_workers import ACCEPTED, FILLED, STEP, MatcherHost
+from roseray.engine.grammar_workers import ACCEPTED, FILLED, GRAMMAR, MATCHER, STEP, MatcherHost
 from roseray.engine.request import PLACEHOLDER
 from roseray.engine.structured_output import (
     MAX_WHITESPACE,
     GrammarCompiler,
     RequestGrammar,
+    WhitespaceTokens,
     batch_accept_token,
+    bounds_whitespace,
     check_structured_outputs,
     forbid_whitespace,
     reasoning_ended,
@@ -360,14 +362,17 @@ class LocalMatcherHost:
     def __init__(self, compiler: GrammarCompiler, spec: StructuredOutputs) -> None:
         self.conn, theirs = multiprocessing.Pipe()
         self.masks = torch.zeros((2, 1, (compiler.vocab_size + 31) // 32), dtype=torch.int32)
-        self.host = MatcherHost(theirs, self.masks, compiler.info, compiler.whitespace.others)
-        compiled = xgr.CompiledGrammar.deserialize_json(compiler.compile(spec).serialized, compiler.info)
-        self.matcher = self.host.matchers[0] = xgr.GrammarMatcher(compiled)
+        self.host = MatcherHost(theirs, self.masks, compiler.info)
+        compiled = compiler.compile(spec)
+        assert self.host.handle(np.array([GRAMMAR, compiled.grammar_id], dtype=np.int32).tobytes()
+                                + compiled.serialized.encode())
+        assert self.host.handle(np.array([MATCHER, 0, compiled.grammar_id, bounds_whitespace(spec)], dtype=np.int32))
+        self.matcher = self.host.matchers[0]
         self.step_number = 0
 
     def _step(self, accepts: list[int], fills: list[int]) -> np.ndarray:
         self.step_number += 1
-        self.host.step(np.array([STEP, self.step_number, 0, len(accepts) // 2, len(fills) // 3, *accepts, *fills],
+        self.host.step(np.array([STEP, self.step_number, 0, len(accepts) // 2, len(fills) // 2, *accepts, *fills],
                                 dtype=np.int32))
         return np.frombuffer(self.conn.recv_bytes(), dtype=np.int32)
 
@@ -376,8 +381,8 @@ class LocalMatcherHost:
         assert reply[0] == ACCEPTED
         return 0 not in reply[2:].tolist()
 
-    def allowed(self, whitespace_exhausted: bool = False) -> list[int]:
-        assert self._step([], [0, 0, int(whitespace_exhausted)])[0] == FILLED
+    def allowed(self) -> list[int]:
+        assert self._step([], [0, 0])[0] == FILLED
         bits = (self.masks[0, 0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
         return bits.flatten().nonzero().flatten().tolist()
 
@@ -436,7 +441,7 @@ def test_whitespace_tokens_are_the_tokens_of_json_whitespace_only(hf_llm):
     """WhitespaceTokens: a token counts its bytes when they are all JSON whitespace, and `others`
     has exactly the other tokens' bits."""
     compiler = hf_llm.engine.structured.compiler
-    table, pieces = compiler.whitespace, compiler.info.decoded_vocab
+    table, pieces = WhitespaceTokens(compiler.info, compiler.vocab_size), compiler.info.decoded_vocab
     expected = [len(p) if p and set(p) <= set(b" \t\n\r") else 0 for p in pieces]
     assert table.chars[:len(expected)] == expected and any(expected)
     bits = ((torch.from_numpy(table.others).unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
@@ -453,18 +458,19 @@ def test_forbid_whitespace_keeps_a_row_that_allows_nothing_else():
 def test_json_whitespace_runs_are_bounded_for_a_model_that_always_picks_whitespace(byte_llm):
     """A 'model' that takes a newline whenever the mask allows one, else the lowest token allowed:
     with the grammar's whitespace unbounded it would never end; cut at MAX_WHITESPACE characters a
-    run, its JSON ends, parses and validates."""
+    run by the worker (which counts the run from the tokens it takes), its JSON ends, parses and
+    validates."""
     engine = byte_llm.engine
     schema = SCHEMAS["enum_and_const"]
     spec = StructuredOutputs.json_schema(schema)
     compiler = engine.structured.compiler
     worker = LocalMatcherHost(compiler, spec)
-    grammar = RequestGrammar(None, 0, compiler.stop_token_ids, whitespace=compiler.whitespace)
+    grammar = RequestGrammar(None, 0, compiler.stop_token_ids)
     newline = engine.tokenizer.encode("\n", add_special_tokens=False)[0]
     tokens, runs, run = [], [], 0
     while not grammar.terminated:
         assert len(tokens) < 2000, "the output never ended"
-        allowed = worker.allowed(grammar.whitespace_exhausted)
+        allowed = worker.allowed()
         token = newline if newline in allowed else allowed[0]
         assert worker.accept(token)
         grammar.took(token)
