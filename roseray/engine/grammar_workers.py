@@ -10,10 +10,12 @@ of the next mask straight into a shared buffer (two, used in turn) that the engi
 device.
 
 The engine side sends each worker one message a step and reads its replies, keyed by step:
-`FILLED` before it samples through the mask, `ACCEPTED` (the slots whose token the grammar
-refused) before it settles a step only when a token was sampled without a mask row for it (a
-matcher cannot refuse a token its own mask allowed); whenever a reply is read, its refusals and
-failures are marked on their requests' grammars, and a reply nobody waits for is then dropped.
+`FILLED` before it samples through the mask; `ACCEPTED` (the slots whose token the grammar
+refused) comes only when the step asked for the verdicts (a token sampled without a mask row for
+it: the engine waits for them before it settles the step) or a token was refused (a matcher
+cannot refuse a token its own mask allowed, so this one is not waited for). Whenever a reply is
+read, its refusals and failures are marked on their requests' grammars, and a reply nobody
+waits for is then dropped.
 Messages are int32 arrays (a compiled grammar: xgrammar's own JSON); nothing is pickled. A worker
 that fails a part of a step says so (`FAILED` with that part's slots and the error's line): those
 requests end with an error, the engine goes on. A worker that dies takes its requests with it,
@@ -83,6 +85,21 @@ class GrammarWorker:
             self.conn.send_bytes(message)
         except (OSError, EOFError):
             self._died()
+
+    def send_step(self, step: int, turn: int, accepts: list[int], fills: list[int], verdicts: bool) -> None:
+        """Step `step` (increasing): `accepts` are (slot, token) pairs, flat; `fills` (slot, mask
+        row) pairs, flat, into mask buffer `turn`. The worker answers ACCEPTED (the refused slots) if
+        `verdicts` or it refused one, then FILLED if there are fills."""
+        message = np.empty(6 + len(accepts) + len(fills), dtype=np.int32)
+        message[:6] = (STEP, step, turn, len(accepts) // 2, len(fills) // 2, verdicts)
+        message[6:6 + len(accepts)] = accepts
+        message[6 + len(accepts):] = fills
+        self.send(message)
+
+    def free(self, slot: int) -> None:
+        """The request at `slot` finished: its matcher goes."""
+        self.slots.pop(slot, None)
+        self.send(np.array([FREE, slot], dtype=np.int32))
 
     def has_reply(self, step: int, kind: int) -> bool:
         """Step `step`'s reply `kind` is in (or the worker died): `reply` would not wait."""
@@ -201,8 +218,8 @@ class GrammarWorkers:
     def take(self, grammar_id: int, serialized: str, bounds_whitespace: bool) -> tuple[GrammarWorker, int] | None:
         """A matcher of the compiled grammar for a new request, on the least loaded worker: (worker,
         slot); None while a worker is not ready yet. `bounds_whitespace`: the worker bounds the
-        request's runs of whitespace (JSON with any whitespace). A dead worker is started again here; one that
-        died before it was ever ready raises WorkerError (it would only die again)."""
+        request's runs of whitespace (JSON with any whitespace). A dead worker is started again
+        here; one that died before it was ever ready raises WorkerError (it would only die again)."""
         for i, worker in enumerate(self.workers):
             if worker.dead and not worker.ready:
                 raise WorkerError(f"grammar worker {i} exited before it was ready (exit code "
@@ -231,21 +248,6 @@ class GrammarWorkers:
         if self._finalizer is not None:
             self._finalizer()
 
-    @staticmethod
-    def free(worker: GrammarWorker, slot: int) -> None:
-        worker.slots.pop(slot, None)
-        worker.send(np.array([FREE, slot], dtype=np.int32))
-
-    @staticmethod
-    def send_step(worker: GrammarWorker, step: int, turn: int, accepts: list[int], fills: list[int]) -> None:
-        """Step `step` (increasing): `accepts` are (slot, token) pairs, flat; `fills` (slot, mask
-        row) pairs, flat, into mask buffer `turn`. The worker answers ACCEPTED (the refused slots),
-        then FILLED, for each part that is not empty."""
-        message = np.empty(5 + len(accepts) + len(fills), dtype=np.int32)
-        message[:5] = (STEP, step, turn, len(accepts) // 2, len(fills) // 2)
-        message[5:5 + len(accepts)] = accepts
-        message[5 + len(accepts):] = fills
-        worker.send(message)
 
 
 def _close(workers: list[GrammarWorker], shm: SharedMemory, masks: torch.Tensor, pinned: bool) -> None:
@@ -334,14 +336,16 @@ class MatcherHost:
         return True
 
     def step(self, message: np.ndarray) -> None:
-        step, turn, num_accepts, num_fills = (int(v) for v in message[1:5])
-        accepts = message[5:5 + 2 * num_accepts].reshape(-1, 2)
-        fills = message[5 + 2 * num_accepts:].reshape(-1, 2)
+        step, turn, num_accepts, num_fills, verdicts = (int(v) for v in message[1:6])
+        accepts = message[6:6 + 2 * num_accepts].reshape(-1, 2)
+        fills = message[6 + 2 * num_accepts:].reshape(-1, 2)
         if num_accepts:
             slots, tokens = accepts[:, 0].tolist(), accepts[:, 1].tolist()
             try:
-                verdicts = batch_accept_token([self.matchers[s] for s in slots], tokens)
-                self._reply(ACCEPTED, step, [s for s, ok in zip(slots, verdicts) if not ok])
+                accepted = batch_accept_token([self.matchers[s] for s in slots], tokens)
+                refused = [s for s, ok in zip(slots, accepted) if not ok]
+                if refused or verdicts:
+                    self._reply(ACCEPTED, step, refused)
             except Exception as error:  # noqa: BLE001 - told to the engine, which fails these requests
                 self._failed(step, ACCEPTED, slots, error)
             if self.runs:

@@ -247,8 +247,8 @@ class WhitespaceTokens:
     """The tokens whose text is JSON whitespace only (spaces, tabs, newlines, carriage returns):
     `chars[token]` is such a token's length in bytes (0 for any other token), and `others` the
     bitmask of every other token, which a row's mask is cut to once its run of whitespace is
-    exhausted (the grammar worker counts each bounded request's run). The bound holds inside strings too: there a
-    run can go on only with a token that is not whitespace alone."""
+    exhausted (the grammar worker counts each bounded request's run). The bound holds inside
+    strings too: there a run can go on only with a token that is not whitespace alone."""
 
     def __init__(self, info: xgr.TokenizerInfo, vocab_size: int) -> None:
         chars = [0] * vocab_size

@@ -200,7 +200,7 @@ class StructuredOutputManager:
         if mask is not None:
             for worker, worker_fills in zip(self.workers.workers, fills):
                 if worker_fills:
-                    GrammarWorkers.send_step(worker, self._step, self._turn, [], worker_fills)
+                    worker.send_step(self._step, self._turn, [], worker_fills, False)
         return mask
 
     def accept_step(self, sampling: list[Request], token_ids: list[int], output_index: list[int],
@@ -242,7 +242,7 @@ class StructuredOutputManager:
                 self._early_fill = _EarlyFill(next_sampling, mask, self._released)
         for worker, worker_accepts, worker_fills in zip(workers, accepts, fills):
             if worker_accepts or worker_fills:
-                GrammarWorkers.send_step(worker, self._step, self._turn, worker_accepts, worker_fills)
+                worker.send_step(self._step, self._turn, worker_accepts, worker_fills, unmasked)
         return accepting
 
     def _plan_fill(self, sampling: list[Request], fills: list[list[int]]) -> PendingMask | None:
@@ -304,7 +304,7 @@ class StructuredOutputManager:
         is a stop, a token it refused an error; otherwise `status` (the engine's own checks) stands."""
         grammar = req.grammar
         if grammar.failed:
-            logger.error("request %s: its grammar refused a sampled token", req.request_id)
+            logger.error("request %s: its grammar refused a sampled token or its worker failed", req.request_id)
             return RequestStatus.FINISHED_ERROR
         if grammar.terminated:
             return RequestStatus.FINISHED_STOPPED
@@ -314,7 +314,7 @@ class StructuredOutputManager:
         """The request finished: its matcher goes (after any step its worker is still on)."""
         self._compiling.pop(req.request_id, None)
         if req.grammar is not None:
-            GrammarWorkers.free(req.grammar.worker, req.grammar.slot)
+            req.grammar.worker.free(req.grammar.slot)
             self._released.append(req.grammar)
         req.grammar = None
         self.num_requests -= 1

@@ -372,8 +372,8 @@ class LocalMatcherHost:
 
     def _step(self, accepts: list[int], fills: list[int]) -> np.ndarray:
         self.step_number += 1
-        self.host.step(np.array([STEP, self.step_number, 0, len(accepts) // 2, len(fills) // 2, *accepts, *fills],
-                                dtype=np.int32))
+        self.host.step(np.array([STEP, self.step_number, 0, len(accepts) // 2, len(fills) // 2, 1, *accepts,
+                                 *fills], dtype=np.int32))  # (1: the verdicts asked for)
         return np.frombuffer(self.conn.recv_bytes(), dtype=np.int32)
 
     def accept(self, token: int) -> bool:
