@@ -8,8 +8,8 @@ sampling rows of the step launched after it, the fill of that step's mask right 
 `settle` waits for the verdicts only when a token was sampled without a mask row filled for it
 (a matcher never refuses a token its mask allowed; a refusal read later still fails its request);
 `mask` gives the step's mask (`PendingMask.result` waits for the workers' fills and copies it to
-the device once). Per token `advance` turns the grammar's end into a stop ("stop") and a failure
-into an error.
+the device once, on a CUDA stream of its own: beside the forward still running). Per token
+`advance` turns the grammar's end into a stop ("stop") and a failure into an error.
 
 The engine's thread does no matcher work: the workers accept and fill while it processes the
 step's tokens, settles the step and schedules and prepares the next one. What the engine needs
@@ -64,6 +64,7 @@ class PendingMask:
     grammars: list[RequestGrammar]  # the rows'
     opened: list[int]  # mask rows whose request finished after the fill: all tokens allowed, as for no mask
     device: torch.device
+    copy_stream: torch.cuda.Stream | None  # CUDA: the copy runs beside the forward still on the device
 
     @property
     def ready(self) -> bool:
@@ -72,8 +73,10 @@ class PendingMask:
 
     def result(self) -> tuple[torch.Tensor, list[int]]:
         """(bitmask [R, words] on the device, its R rows): waits for the fills and queues the copy on
-        this thread. A worker that failed its rows is logged here, its rows sample unconstrained and
-        their requests end with an error when the token is processed (`advance`): the step goes on."""
+        the copy stream (CUDA), which the current stream then waits for: the copy overlaps whatever
+        that stream still runs (the forward), and the sampling that reads the mask follows it. A worker
+        that failed its rows is logged here, its rows sample unconstrained and their requests end
+        with an error when the token is processed (`advance`): the step goes on."""
         for worker in self.workers:
             try:
                 worker.reply(self.step, FILLED)
@@ -81,9 +84,14 @@ class PendingMask:
                 self.opened.extend(j for j, grammar in enumerate(self.grammars) if grammar.worker is worker)
         for j in self.opened:
             self.host[j].fill_(-1)
-        if self.device.type == "cpu":
+        if self.copy_stream is None:
             return self.host.clone(), self.rows
-        return self.host.to(self.device, non_blocking=True), self.rows
+        with torch.cuda.stream(self.copy_stream):
+            bitmask = self.host.to(self.device, non_blocking=True)
+        sampling_stream = torch.cuda.current_stream(self.device)
+        sampling_stream.wait_stream(self.copy_stream)
+        bitmask.record_stream(sampling_stream)  # freed only once the sampling that reads it ran
+        return bitmask, self.rows
 
 
 @dataclass(slots=True)
@@ -102,6 +110,7 @@ class StructuredOutputManager:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
         self.workers = GrammarWorkers(num_workers, max_rows, (vocab_size + 31) // 32, device)
         self.device = device
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.reasoning_markers = None  # (start, end) token ids of the reasoning, with a reasoning parser
         if reasoning_parser is not None:
             start, end = REASONING_MARKERS[reasoning_parser]
@@ -273,7 +282,7 @@ class StructuredOutputManager:
         for j in unconstrained:
             host[j].fill_(-1)
         filling = [w for w, f in zip(self.workers.workers, fills) if f]
-        return PendingMask(self._step, filling, host, rows, grammars, [], self.device)
+        return PendingMask(self._step, filling, host, rows, grammars, [], self.device, self.copy_stream)
 
     @staticmethod
     def _drop(mask: PendingMask) -> None:
